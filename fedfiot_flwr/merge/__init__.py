@@ -1,0 +1,53 @@
+"""FedFiOT's server-side merge: pure numpy/scipy, no Flower import.
+
+Baselines are configurations of the same engine (``matching`` x ``aggregation``):
+
+=====================  ============  =============
+method                 matching      aggregation
+=====================  ============  =============
+FedAvg                 "none"        "size"
+Fisher merging         "none"        "fisher"
+OTFusion-like          "euclidean"   "uniform" (max_iters=1)
+WB-fusion-like         "euclidean"   "uniform"
+ablation C             "euclidean"   "fisher"
+ablation D             "fisher"      "uniform"
+FedFiOT                "fisher"      "fisher"
+=====================  ============  =============
+"""
+
+from .costs import aggregate, assign, euclidean_cost_matrix, fisher_cost_matrix
+from .engine import MergeResult, PermutationReport, damp_fisher, merge
+from .presets import METHODS, method_options
+from .spec import (
+    AxisPerm,
+    Layer,
+    PermutationSpec,
+    apply_permutations,
+    chain_spec,
+    cnn_spec,
+    invert_permutation,
+    mlp_spec,
+)
+from .trace import spec_from_module
+
+__all__ = [
+    "AxisPerm",
+    "Layer",
+    "METHODS",
+    "MergeResult",
+    "PermutationReport",
+    "PermutationSpec",
+    "aggregate",
+    "apply_permutations",
+    "assign",
+    "chain_spec",
+    "cnn_spec",
+    "damp_fisher",
+    "euclidean_cost_matrix",
+    "fisher_cost_matrix",
+    "invert_permutation",
+    "merge",
+    "method_options",
+    "mlp_spec",
+    "spec_from_module",
+]

@@ -1,0 +1,27 @@
+"""Named baselines as configurations of the merge engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+METHODS: dict[str, dict[str, Any]] = {
+    "fedavg": {"matching": "none", "aggregation": "size"},
+    "fisher-merge": {"matching": "none", "aggregation": "fisher"},
+    "otfusion": {"matching": "euclidean", "aggregation": "uniform", "max_iters": 1, "fallback": "none"},
+    "wb-fusion": {"matching": "euclidean", "aggregation": "uniform", "fallback": "none"},
+    "ablation-b": {"matching": "none", "aggregation": "fisher"},
+    "ablation-c": {"matching": "euclidean", "aggregation": "fisher"},
+    "ablation-d": {"matching": "fisher", "aggregation": "uniform"},
+    "fedfiot": {"matching": "fisher", "aggregation": "fisher"},
+}
+
+
+def method_options(method: str, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments of :func:`~fedfiot_flwr.merge.merge` for a named method.
+
+    >>> method_options("fedavg")
+    {'matching': 'none', 'aggregation': 'size'}
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
+    return {**METHODS[method], **overrides}

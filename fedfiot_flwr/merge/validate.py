@@ -1,0 +1,106 @@
+"""Input validation for :func:`fedfiot_flwr.merge.merge`: every error names the client and tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+
+MATCHINGS = ("fisher", "euclidean", "none")
+AGGREGATIONS = ("fisher", "uniform", "size")
+FALLBACKS = ("objective", "none")
+
+
+def _label(client_ids: Sequence[str], k: int) -> str:
+    return f"client {client_ids[k]!r}"
+
+
+def check_options(
+    lam: float, rho: float, max_iters: int, matching: str, aggregation: str, fallback: str
+) -> None:
+    """Validate the scalar options of the merge."""
+    if not (isinstance(lam, (int, float, np.floating)) and np.isfinite(lam) and lam > 0):
+        raise ValueError(f"lam (damping) must be a finite number > 0, got {lam!r}")
+    if not (isinstance(rho, (int, float, np.floating)) and np.isfinite(rho) and 0 < rho <= 1):
+        raise ValueError(f"rho (tempering) must lie in (0, 1], got {rho!r}")
+    if isinstance(max_iters, bool) or not isinstance(max_iters, (int, np.integer)) or max_iters < 1:
+        raise ValueError(f"max_iters must be an integer >= 1, got {max_iters!r}")
+    if matching not in MATCHINGS:
+        raise ValueError(f"matching must be one of {MATCHINGS}, got {matching!r}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+
+
+def check_models(
+    models: Sequence[Mapping[str, np.ndarray]],
+    fishers: Sequence[Mapping[str, np.ndarray]],
+    buffers: Collection[str],
+    client_ids: Sequence[str],
+) -> dict[str, tuple[int, ...]]:
+    """Check keys, shapes and values of the client models and Fishers; return the tensor shapes."""
+    if len(models) == 0:
+        raise ValueError("merge needs at least one client model")
+    if len(fishers) != len(models):
+        raise ValueError(f"got {len(models)} models but {len(fishers)} Fisher dicts")
+    if len(client_ids) != len(models):
+        raise ValueError(f"got {len(client_ids)} client ids for {len(models)} models")
+    first = models[0]
+    shapes = {name: tuple(np.shape(x)) for name, x in first.items()}
+    unknown_buffers = set(buffers) - set(shapes)
+    if unknown_buffers:
+        raise ValueError(f"buffers {sorted(unknown_buffers)} are not tensors of {_label(client_ids, 0)}'s model")
+    for k, (model, fisher) in enumerate(zip(models, fishers)):
+        who = _label(client_ids, k)
+        if set(model) != set(shapes):
+            missing = sorted(set(shapes) - set(model))
+            extra = sorted(set(model) - set(shapes))
+            raise ValueError(f"{who}: model keys differ from client {client_ids[0]!r}'s: missing {missing}, extra {extra}")
+        for name, x in model.items():
+            arr = np.asarray(x)
+            if arr.shape != shapes[name]:
+                raise ValueError(f"{who}, tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
+            if not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr)):
+                raise ValueError(f"{who}, tensor {name!r}: weights must be finite numbers (found NaN/inf or non-numeric)")
+        expected = set(shapes) - set(buffers)
+        if set(fisher) != expected:
+            missing = sorted(expected - set(fisher))
+            extra = sorted(set(fisher) - expected)
+            raise ValueError(
+                f"{who}: Fisher keys do not match the model's parameters: missing {missing}, extra {extra} "
+                "(declare tensors without a Fisher, such as BatchNorm running statistics, in buffers=)"
+            )
+        for name, f in fisher.items():
+            arr = np.asarray(f)
+            if arr.shape != shapes[name]:
+                raise ValueError(f"{who}, Fisher of tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
+            if not np.all(np.isfinite(arr)):
+                raise ValueError(f"{who}, Fisher of tensor {name!r}: contains NaN or inf")
+            if np.any(arr < 0):
+                raise ValueError(f"{who}, Fisher of tensor {name!r}: contains negative entries")
+    return shapes
+
+
+def check_num_examples(num_examples: Sequence[int] | None, n_clients: int, client_ids: Sequence[str]) -> None:
+    """Check the client sizes (when given)."""
+    if num_examples is None:
+        return
+    if len(num_examples) != n_clients:
+        raise ValueError(f"num_examples has {len(num_examples)} entries for {n_clients} clients")
+    for k, n in enumerate(num_examples):
+        if not np.isfinite(n) or n <= 0:
+            raise ValueError(f"{_label(client_ids, k)}: num_examples must be > 0, got {n!r}")
+
+
+def check_reference_model(reference: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Check a reference model given as a dict (the broadcast model)."""
+    if set(reference) != set(shapes):
+        missing = sorted(set(shapes) - set(reference))
+        raise ValueError(f"reference model: keys differ from the clients' (missing {missing})")
+    for name, x in reference.items():
+        arr = np.asarray(x)
+        if arr.shape != shapes[name]:
+            raise ValueError(f"reference model, tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"reference model, tensor {name!r}: contains NaN or inf")

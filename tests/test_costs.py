@@ -1,0 +1,30 @@
+"""Cost matrices equal their direct definition."""
+
+import numpy as np
+
+from fedfiot_flwr.merge import assign, euclidean_cost_matrix, fisher_cost_matrix
+
+
+def test_fisher_cost_matches_definition():
+    rng = np.random.default_rng(0)
+    m, d = 9, 6
+    w, wk, fk = rng.normal(size=(m, d)), rng.normal(size=(m, d)), rng.exponential(size=(m, d))
+    direct = np.array([[np.sum(fk[j] * (w[i] - wk[j]) ** 2) for j in range(m)] for i in range(m)])
+    np.testing.assert_allclose(fisher_cost_matrix(w, wk, fk), direct, rtol=1e-10, atol=1e-10)
+
+
+def test_euclidean_cost_matches_definition():
+    rng = np.random.default_rng(1)
+    w, wk = rng.normal(size=(7, 4)), rng.normal(size=(7, 4))
+    direct = ((w[:, None, :] - wk[None, :, :]) ** 2).sum(-1)
+    np.testing.assert_allclose(euclidean_cost_matrix(w, wk), direct, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(fisher_cost_matrix(w, wk, np.ones_like(wk)), direct, rtol=1e-10, atol=1e-10)
+
+
+def test_assign_recovers_a_hidden_permutation():
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(20, 5))
+    p = rng.permutation(20)
+    wk = np.empty_like(w)
+    wk[p] = w  # client neuron p[i] holds global neuron i
+    assert assign(euclidean_cost_matrix(w, wk)).tolist() == p.tolist()

@@ -1,0 +1,16 @@
+"""Run the doctest examples of the merge engine (they document the API and must stay true)."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["fedfiot_flwr.merge.spec", "fedfiot_flwr.merge.costs", "fedfiot_flwr.merge.engine",
+           "fedfiot_flwr.merge.presets"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0
+    assert result.failed == 0

@@ -1,0 +1,77 @@
+"""Bad input gives a ValueError naming the client and tensor."""
+
+import numpy as np
+import pytest
+
+from fedfiot_flwr.merge import PermutationSpec, merge
+
+SPEC = PermutationSpec({"w": ("P0", None), "b": ("P0",), "out": (None, "P0")})
+
+
+def good():
+    rng = np.random.default_rng(0)
+    models = [{"w": rng.normal(size=(4, 3)), "b": rng.normal(size=4), "out": rng.normal(size=(2, 4))}
+              for _ in range(3)]
+    fishers = [{k: np.abs(v) for k, v in m.items()} for m in models]
+    return models, fishers
+
+
+def run(models, fishers, **kw):
+    opts = dict(spec=SPEC, lam=1e-3, rho=0.5, max_iters=4, reference=0)
+    opts.update(kw)
+    return merge(models=models, fishers=fishers, **opts)
+
+
+def test_good_input_merges():
+    models, fishers = good()
+    res = run(models, fishers, client_ids=["a", "b", "c"])
+    assert set(res.model) == {"w", "b", "out"}
+
+
+@pytest.mark.parametrize(
+    "corrupt, pattern",
+    [
+        (lambda m, f: m[1].pop("b"), r"client 'n1'.*missing \['b'\]"),
+        (lambda m, f: m[2].__setitem__("w", np.zeros((5, 3))), r"client 'n2', tensor 'w': shape"),
+        (lambda m, f: m[1]["w"].__setitem__((0, 0), np.nan), r"client 'n1', tensor 'w'.*finite"),
+        (lambda m, f: f[2]["out"].__setitem__((0, 0), -1.0), r"client 'n2', Fisher of tensor 'out'.*negative"),
+        (lambda m, f: f[0]["b"].__setitem__(0, np.inf), r"client 'n0', Fisher of tensor 'b'.*NaN or inf"),
+        (lambda m, f: f[1].pop("w"), r"client 'n1': Fisher keys.*missing \['w'\]"),
+        (lambda m, f: f[1].__setitem__("w", np.ones((3, 3))), r"client 'n1', Fisher of tensor 'w': shape"),
+    ],
+)
+def test_bad_clients_are_named(corrupt, pattern):
+    models, fishers = good()
+    corrupt(models, fishers)
+    with pytest.raises(ValueError, match=pattern):
+        run(models, fishers, client_ids=["n0", "n1", "n2"])
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    ({"lam": 0.0}, "lam"), ({"lam": -1.0}, "lam"), ({"lam": float("nan")}, "lam"),
+    ({"rho": 0.0}, "rho"), ({"rho": 1.5}, "rho"), ({"max_iters": 0}, "max_iters"),
+    ({"matching": "cosine"}, "matching"), ({"aggregation": "median"}, "aggregation"),
+    ({"reference": 7}, "out of range"), ({"reference": "largest"}, "num_examples"),
+    ({"aggregation": "size"}, "num_examples"), ({"num_examples": [1, 0, 3]}, "client '2'|client '1'"),
+])
+def test_bad_options(kw, pattern):
+    models, fishers = good()
+    with pytest.raises(ValueError, match=pattern):
+        run(models, fishers, **kw)
+
+
+def test_spec_naming_a_missing_tensor():
+    models, fishers = good()
+    spec = PermutationSpec({"w": ("P0", None), "ghost": ("P0",)})
+    with pytest.raises(ValueError, match="'ghost'"):
+        run(models, fishers, spec=spec)
+
+
+def test_buffers_are_declared_not_silently_dropped():
+    models, fishers = good()
+    for f in fishers:
+        f.pop("b")
+    with pytest.raises(ValueError, match=r"missing \['b'\]"):
+        run(models, fishers)
+    res = run(models, fishers, buffers=["b"], num_examples=[1, 1, 2])
+    assert res.model["b"].shape == (4,)

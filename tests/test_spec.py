@@ -1,0 +1,139 @@
+"""Permutation specs: builders, tracing, and function preservation on real torch models."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedfiot_flwr.merge import PermutationSpec, apply_permutations, cnn_spec, mlp_spec, spec_from_module
+from fedfiot_flwr.merge.spec import expand_block_permutation, invert_permutation
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(12, 16), nn.Linear(16, 8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    def __init__(self, bn: bool = False):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3)
+        self.bn1 = nn.BatchNorm2d(6) if bn else nn.Identity()
+        self.conv2 = nn.Conv2d(6, 4, 3, bias=not bn)
+        self.bn2 = nn.BatchNorm2d(4) if bn else nn.Identity()
+        self.pool = nn.MaxPool2d(2)
+        self.fc1 = nn.Linear(4 * 2 * 2, 10)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(10, 3)
+
+    def forward(self, x):
+        x = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        x = torch.flatten(self.pool(x), 1)
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x)) + x
+        return self.fc2(h)
+
+
+def random_perms(spec, shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return {p: rng.permutation(n) for p, n in spec.sizes(shapes).items()}
+
+
+def assert_function_preserved(model, spec, x, seed=0):
+    model.eval()
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    perms = random_perms(spec, {k: v.shape for k, v in state.items()}, seed)
+    assert all((p != np.arange(len(p))).any() for p in perms.values())
+    permuted = apply_permutations(state, spec, perms)
+    with torch.no_grad():
+        before = model(x)
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in permuted.items()})
+        after = model(x)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    changed = [k for k in state if not np.array_equal(state[k], permuted[k])]
+    assert changed, "the permutation must actually move tensors"
+
+
+def randomise_bn(model):
+    for mod in model.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            with torch.no_grad():
+                mod.running_mean.normal_()
+                mod.running_var.uniform_(0.5, 2.0)
+                mod.weight.normal_()
+                mod.bias.normal_()
+
+
+def test_mlp_function_preserved_builder_and_traced():
+    torch.manual_seed(0)
+    model = MLP()
+    spec = mlp_spec(["fc1", "fc2", "fc3"])
+    assert spec_from_module(model) == spec
+    assert_function_preserved(model, spec, torch.randn(7, 12))
+
+
+def test_cnn_with_flatten_function_preserved():
+    torch.manual_seed(1)
+    model = CNN()
+    spec = spec_from_module(model)
+    assert spec == cnn_spec(["conv1", "conv2"], ["fc1", "fc2"], flatten_block=4)
+    assert spec.axes["fc1.weight"][1].block == 4
+    assert_function_preserved(model, spec, torch.randn(5, 3, 14, 14))
+
+
+def test_cnn_with_batchnorm_function_preserved():
+    torch.manual_seed(2)
+    model = CNN(bn=True)
+    randomise_bn(model)
+    spec = spec_from_module(model)
+    assert list(spec.names) == list(model.state_dict())
+    assert spec.axes["bn1.running_var"][0].perm == "P_conv1"
+    assert spec.axes["bn2.num_batches_tracked"] == ()
+    built = cnn_spec(["conv1", "conv2"], ["fc1", "fc2"], flatten_block=4, norms=["bn1", "bn2"], bias=True)
+    assert built.axes["bn2.weight"] == spec.axes["bn2.weight"]
+    assert_function_preserved(model, spec, torch.randn(5, 3, 14, 14), seed=3)
+
+
+def test_sequential_with_flatten_module_is_traced():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(4 * 9, 6),
+                          nn.ReLU(), nn.Linear(6, 2))
+    spec = spec_from_module(model)
+    assert spec.axes["4.weight"][1].block == 9
+    assert_function_preserved(model, spec, torch.randn(3, 1, 8, 8))
+
+
+def test_residual_graph_is_rejected_naming_the_node():
+    with pytest.raises(ValueError, match=r"fx node 'add'"):
+        spec_from_module(Residual())
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="acts on no tensor's leading axis"):
+        PermutationSpec({"w": (None, "P")})
+    spec = PermutationSpec({"w": ("P", None), "v": (None, "P")})
+    with pytest.raises(ValueError, match="'v'"):
+        spec.sizes({"w": (3, 2)})
+    with pytest.raises(ValueError, match="neurons elsewhere"):
+        spec.sizes({"w": (3, 2), "v": (1, 4)})
+    with pytest.raises(ValueError, match="axis entry"):
+        PermutationSpec({"w": ("P", 3.5)})
+
+
+def test_block_and_inverse_permutations():
+    p = np.array([2, 0, 1])
+    assert expand_block_permutation(p, 2).tolist() == [4, 5, 0, 1, 2, 3]
+    assert p[invert_permutation(p)].tolist() == [0, 1, 2]
