@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costs import aggregate, assign, euclidean_cost_matrix, fisher_cost_matrix, weighted_sq_distance
+from .costs import aggregate, assign, euclidean_cost_matrix, fisher_cost_matrices, weighted_sq_distance
 from .spec import PermutationSpec, permute_tensor
 from .validate import check_models, check_num_examples, check_options, check_reference_model
 
@@ -162,24 +162,37 @@ def _align_permutation(
     damped = [_layer_matrix([permute_tensor(fk[n], spec.axes[n], pk, (0,)) for n in names], size)
               for fk, pk in zip(fishers, perms)]
     identity = np.arange(size)
+    rows = np.arange(size)
     w = ref_layer
-    report = PermutationReport(size, 0, _layer_objective(w, layers, damped))
+    report = PermutationReport(size, 0, float("nan"))
     current = [identity] * len(models)
     for s in range(1, max_iters + 1):
-        if matching == "none":
-            new = [identity] * len(models)
-        elif matching == "fisher":
-            new = [assign(fisher_cost_matrix(w, x, f)) for x, f in zip(layers, damped)]
-        else:
-            new = [assign(euclidean_cost_matrix(w, x)) for x in layers]
         report.iterations = s
-        aligned_layers = [x[p] for x, p in zip(layers, new)]
-        aligned_fishers = [f[p] for f, p in zip(damped, new)]
-        report.alignment_objectives.append(_layer_objective(w, aligned_layers, aligned_fishers))
+        if matching == "fisher":
+            new, chosen, diagonal = [], 0.0, 0.0
+            for cost in fisher_cost_matrices(w, layers, damped):
+                new.append(assign(cost))
+                # J(w, pi) is the sum of the chosen Fisher costs: no second pass over the weights.
+                chosen += float(cost[rows, new[-1]].sum())
+                diagonal += float(np.trace(cost))
+            if s == 1:  # J(w[0], I): the identity alignments' costs
+                report.initial_objective = diagonal
+            report.alignment_objectives.append(chosen)
+        else:
+            new = [identity] * len(models) if matching == "none" else [
+                assign(euclidean_cost_matrix(w, x)) for x in layers
+            ]
+            report.alignment_objectives.append(
+                _layer_objective(w, [x[p] for x, p in zip(layers, new)], [f[p] for f, p in zip(damped, new)])
+            )
+        if s == 1 and matching != "fisher":
+            report.initial_objective = _layer_objective(w, layers, damped)
         if s > 1 and all(np.array_equal(a, b) for a, b in zip(new, current)):
             report.objectives.append(report.alignment_objectives[-1])
             break
         current = new
+        aligned_layers = [x[p] for x, p in zip(layers, new)]
+        aligned_fishers = [f[p] for f, p in zip(damped, new)]
         w = _aggregate_rule(aggregation, aligned_layers, aligned_fishers, sizes)
         report.objectives.append(_layer_objective(w, aligned_layers, aligned_fishers))
         if matching == "none":
