@@ -49,7 +49,7 @@ def width_sweep(widths: list[int], clients: list[int], d: int, sample: int) -> l
             w = rng.normal(size=(m, d))
             layers = [rng.normal(size=(m, d)) for _ in range(k)]
             fishers = [rng.exponential(size=(m, d)) for _ in range(k)]
-            t_ours, costs = timed(fisher_cost_matrices, w, layers, fishers)
+            t_ours, costs = timed(lambda: list(fisher_cost_matrices(w, layers, fishers)))
             # The naive version is timed on `sample` clients and scaled to K (marked with *).
             n_naive = min(k, sample)
             t_naive = sum(timed(naive_cost_matrix, w, layers[i], fishers[i])[0] for i in range(n_naive)) * k / n_naive

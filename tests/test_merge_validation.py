@@ -75,3 +75,33 @@ def test_buffers_are_declared_not_silently_dropped():
         run(models, fishers)
     res = run(models, fishers, buffers=["b"], num_examples=[1, 1, 2])
     assert res.model["b"].shape == (4,)
+
+
+def test_fisher_scaling_options():
+    models, fishers = good()
+    with pytest.raises(ValueError, match="fisher_scaling"):
+        run(models, fishers, fisher_scaling="log")
+    with pytest.raises(ValueError, match="needs num_examples"):
+        run(models, fishers, fisher_scaling="size")
+    # A uniform scale of every client's Fisher changes nothing under "normalized".
+    scaled = [{k: 10.0 * v for k, v in f.items()} for f in fishers]
+    a = run(models, fishers, fisher_scaling="normalized", lam=1e-3, rho=1.0)
+    b = run(models, scaled, fisher_scaling="normalized", lam=1e-3, rho=1.0)
+    for k in a.model:
+        np.testing.assert_allclose(a.model[k], b.model[k])
+
+
+def test_size_scaled_fisher_merge_arithmetic():
+    spec = PermutationSpec({"w": ("P", None)})
+    models = [{"w": np.array([[0.0], [1.0]])}, {"w": np.array([[4.0], [3.0]])}]
+    fishers = [{"w": np.array([[1.0], [2.0]])}, {"w": np.array([[1.0], [1.0]])}]
+    res = merge(models, fishers, spec, lam=1e-12, rho=1.0, reference=0, num_examples=[1, 3],
+                matching="none", aggregation="fisher", fisher_scaling="size")
+    # weights n_k * F_k: row 0 -> (1*0 + 3*4) / 4 = 3; row 1 -> (2*1 + 3*3) / 5 = 2.2
+    np.testing.assert_allclose(res.model["w"].ravel(), [3.0, 2.2])
+    res = merge(models, fishers, spec, lam=1e-12, rho=1.0, reference=0, num_examples=[1, 3],
+                matching="none", aggregation="fisher", fisher_scaling="normalized-size")
+    # normalized: client 0 / 1.5, client 1 / 1; then * 2 n_k / n = 0.5, 1.5
+    w0, w1 = 0.5 / 1.5, 1.5
+    np.testing.assert_allclose(res.model["w"].ravel(),
+                               [(w0 * 0 + w1 * 4) / (w0 + w1), (2 * w0 * 1 + w1 * 3) / (2 * w0 + w1)])

@@ -16,7 +16,7 @@ FedFiOT                "fisher"      "fisher"
 """
 
 from .costs import aggregate, assign, euclidean_cost_matrix, fisher_cost_matrix
-from .engine import MergeResult, PermutationReport, damp_fisher, merge
+from .engine import FISHER_SCALINGS, MergeResult, PermutationReport, damp_fisher, merge, scale_fishers
 from .presets import METHODS, method_options
 from .spec import (
     AxisPerm,
@@ -32,6 +32,7 @@ from .trace import spec_from_module
 
 __all__ = [
     "AxisPerm",
+    "FISHER_SCALINGS",
     "Layer",
     "METHODS",
     "MergeResult",
@@ -49,5 +50,6 @@ __all__ = [
     "merge",
     "method_options",
     "mlp_spec",
+    "scale_fishers",
     "spec_from_module",
 ]

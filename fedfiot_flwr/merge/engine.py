@@ -24,6 +24,8 @@ from .costs import aggregate, assign, euclidean_cost_matrix, fisher_cost_matrice
 from .spec import PermutationSpec, permute_tensor
 from .validate import check_models, check_num_examples, check_options, check_reference_model
 
+FISHER_SCALINGS = ("none", "size", "normalized", "normalized-size")
+
 Model = Mapping[str, np.ndarray]
 
 
@@ -106,6 +108,53 @@ def damp_fisher(fisher: np.ndarray, lam: float, rho: float) -> np.ndarray:
     [1.0, 3.0]
     """
     return np.power(np.asarray(fisher, dtype=np.float64), rho) + lam
+
+
+def scale_fishers(
+    fishers: Sequence[Model], scaling: str, num_examples: Sequence[float] | None
+) -> list[dict[str, np.ndarray]]:
+    """Rescale each client's raw Fisher before tempering and damping.
+
+    Parameters
+    ----------
+    fishers : sequence of dict[str, np.ndarray]
+        Raw per-client Fisher (the mean over the client's examples, eq. 106).
+    scaling : {"none", "size", "normalized", "normalized-size"}
+        ``"none"``: as uploaded (the paper). ``"size"``: times ``n_k / n`` (the Fisher of the
+        client's summed log-likelihood, as FedFisher's code does). ``"normalized"``: divided by the
+        client's mean Fisher entry, so that magnitudes are comparable across clients.
+        ``"normalized-size"``: normalized, then times ``K * n_k / n`` (mean client weight 1).
+    num_examples : sequence of float, optional
+        Client sizes; required by the size-based scalings.
+
+    Examples
+    --------
+    >>> out = scale_fishers([{"w": np.array([1., 3.])}, {"w": np.array([4., 4.])}], "normalized", None)
+    >>> [o["w"].tolist() for o in out]
+    [[0.5, 1.5], [1.0, 1.0]]
+    >>> scale_fishers([{"w": np.array([2.])}, {"w": np.array([2.])}], "size", [1, 3])[1]["w"].tolist()
+    [1.5]
+    """
+    if scaling not in FISHER_SCALINGS:
+        raise ValueError(f"fisher_scaling must be one of {FISHER_SCALINGS}, got {scaling!r}")
+    if scaling == "none":
+        return [{n: np.asarray(f, dtype=np.float64) for n, f in fk.items()} for fk in fishers]
+    if "size" in scaling and num_examples is None:
+        raise ValueError(f"fisher_scaling={scaling!r} needs num_examples")
+    factors = np.ones(len(fishers))
+    if "size" in scaling:
+        n = np.asarray(num_examples, dtype=np.float64)
+        factors = n / n.sum() * (len(fishers) if scaling == "normalized-size" else 1.0)
+    out = []
+    for k, fk in enumerate(fishers):
+        factor = factors[k]
+        if scaling.startswith("normalized"):
+            total = sum(float(np.sum(f)) for f in fk.values())
+            count = sum(int(np.size(f)) for f in fk.values())
+            mean = total / count if count else 0.0
+            factor = factor / mean if mean > 0 else factor
+        out.append({n: np.asarray(f, dtype=np.float64) * factor for n, f in fk.items()})
+    return out
 
 
 def resolve_reference(reference: object, num_examples: Sequence[int] | None, n_clients: int) -> int | None:
@@ -242,6 +291,7 @@ def merge(
     buffers: Collection[str] = (),
     fallback: str = "objective",
     client_ids: Sequence[str] | None = None,
+    fisher_scaling: str = "none",
 ) -> MergeResult:
     """Merge client models with FedFiOT's alternating Fisher-weighted alignment and aggregation.
 
@@ -276,6 +326,9 @@ def merge(
         is strictly above the identity merge's); ``"none"``: always keep the aligned merge.
     client_ids : sequence of str, optional
         Names used in error messages (default: the client indices).
+    fisher_scaling : {"none", "size", "normalized", "normalized-size"}
+        Per-client rescaling of the raw Fisher before tempering (see :func:`scale_fishers`);
+        ``"none"`` is the paper's eq. 106.
 
     Returns
     -------
@@ -312,7 +365,8 @@ def merge(
 
     dtypes = {n: np.asarray(x).dtype for n, x in models[0].items()}
     xs = [{n: np.asarray(x, dtype=np.float64) for n, x in m.items()} for m in models]
-    fs = [{n: damp_fisher(f, lam, rho) for n, f in fk.items()} for fk in fishers]
+    fs = [{n: damp_fisher(f, lam, rho) for n, f in fk.items()}
+          for fk in scale_fishers(fishers, fisher_scaling, num_examples)]
     sizes = None if num_examples is None else [float(n) for n in num_examples]
     perms: list[dict[str, np.ndarray]] = [{} for _ in models]
     reports: dict[str, PermutationReport] = {}
