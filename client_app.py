@@ -1,0 +1,80 @@
+"""FedFiOT ClientApp: local training, then weights and diagonal Fisher, 16-bit quantized.
+
+A standard Flower PyTorch ClientApp; the only FedFiOT-specific line is ``train_and_pack``,
+which trains, computes the empirical Fisher and packs both into the reply.
+"""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch.utils.data import DataLoader
+
+from fedfiot_flwr.app_config import AppConfig
+from fedfiot_flwr.client import train_and_pack
+from fedfiot_flwr.task import evaluate
+
+app = ClientApp()
+
+
+def _partition(context: Context, cfg: AppConfig) -> int:
+    """This node's partition id (``--node-config "partition-id=..."``; set by the simulation engine)."""
+    node_config = context.node_config
+    if "partition-id" not in node_config:
+        raise ValueError(
+            "node config lacks 'partition-id': start the SuperNode with "
+            '--node-config "partition-id=<i> num-partitions=<K>"'
+        )
+    pid = int(node_config["partition-id"])
+    k = int(node_config.get("num-partitions", cfg.num_partitions))
+    if k != cfg.num_partitions or not 0 <= pid < k:
+        raise ValueError(
+            f"node config partition-id={pid}, num-partitions={k} does not fit the run config's "
+            f"num-partitions={cfg.num_partitions} (simulation: use num-supernodes={cfg.num_partitions})"
+        )
+    return pid
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train on this node's partition from the broadcast model and reply with weights + Fisher."""
+    cfg = AppConfig.from_run_config(context.run_config)
+    pid = _partition(context, cfg)
+    split = cfg.split()
+    config = msg.content["config"]
+    server_round = int(config["server-round"])
+    if cfg.init == "independent" and server_round == 1:
+        # Paper, Table 5: every client starts from its own random initialisation.
+        model = cfg.build_model(split, seed=cfg.client_init_seed(pid))
+    else:
+        model = cfg.build_model(split)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + 7919 * server_round + pid)
+    loader = DataLoader(split.clients[pid], batch_size=int(config.get("batch-size", cfg.batch_size)),
+                        shuffle=True, generator=gen)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.seed * 100_003 + 7919 * server_round + pid)
+    # The Fisher runs over the same examples without augmentation (paper, eq. 106).
+    fisherloader = DataLoader(split.client_eval(pid), batch_size=256)
+    content = train_and_pack(
+        model, loader, int(config.get("local-epochs", cfg.local_epochs)),
+        device=device, fisherloader=fisherloader, lr=float(config.get("lr", cfg.lr)), progress=False,
+    )
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_local(msg: Message, context: Context) -> Message:
+    """Evaluate the broadcast model on this node's (unaugmented) partition."""
+    cfg = AppConfig.from_run_config(context.run_config)
+    pid = _partition(context, cfg)
+    split = cfg.split()
+    model = cfg.build_model(split)
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = split.client_eval(pid)
+    loss, acc = evaluate(model, DataLoader(data, batch_size=512), device=device)
+    metrics = MetricRecord({"eval-loss": float(loss), "eval-accuracy": float(acc), "num-examples": len(data)})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+

@@ -1,0 +1,208 @@
+"""Run configuration of the FedFiOT Flower app (``[tool.flwr.app.config]`` and ``--run-config``).
+
+One frozen dataclass, :class:`AppConfig`, parses Flower's flat run config (kebab-case keys,
+values str/int/float/bool) with defaults and checks every value, so the ServerApp and the
+ClientApp read the same knobs the same way. Lists (the sweep grid) are comma-separated strings,
+because Flower's run config holds scalars only.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .selection import FALLBACKS, FISHER_SCALINGS, REFERENCES, SweepGrid
+from .strategy_utils import parse_float_list, parse_str_list
+
+if TYPE_CHECKING:
+    import torch
+
+    from .data import FederatedSplit
+
+INITS = ("shared", "independent")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Every knob of the app; field ``foo_bar`` is run-config key ``foo-bar``.
+
+    Attributes
+    ----------
+    dataset, data_root, model
+        Data set name (``digits``, ``fashion-mnist``, ``cifar10``, ``svhn``, ``cinic10``), its
+        directory (empty: the data layer's default) and model (``mlp``, ``lenet``, ``fednet``).
+    num_partitions, alpha, partition_seed, validation_size, augment
+        Federated split: K clients, Dirichlet alpha, partition seed, server validation examples,
+        crop+flip augmentation of 32x32 RGB training data.
+    local_epochs, batch_size, lr, seed, init
+        Client training; ``seed`` is the shared initialisation (and training) seed; ``init`` is
+        ``"shared"`` (paper Table 1) or ``"independent"`` (Table 5: every client its own random
+        init in round 1).
+    num_server_rounds, fraction_train, min_valid_replies, node_wait_s
+        Rounds (1 = one-shot), fraction of nodes sampled per round, minimum valid replies to
+        merge, and how long the server waits for all ``num_partitions`` SuperNodes.
+    lam, rho, max_iters, reference, matching, aggregation, fisher_scaling, fallback
+        The merge (see :class:`fedfiot_flwr.FedFiOT`).
+    sweep, sweep_rho, sweep_lam, sweep_reference, sweep_fisher_scaling
+        Server-side selection on the validation set over the grid (comma-separated lists).
+    results_dir, run_name
+        Results land in ``results_dir/run_name/`` (``results.json``, ``checkpoints/``); an empty
+        ``run_name`` is derived from the settings and the time. A relative ``results_dir`` is
+        relative to the ServerApp's working directory (the SuperLink's): prefer an absolute one.
+    """
+
+    dataset: str = "digits"
+    data_root: str = ""
+    model: str = "mlp"
+    num_partitions: int = 6
+    alpha: float = 0.1
+    partition_seed: int = 0
+    validation_size: int = 200
+    augment: bool = False
+    local_epochs: int = 20
+    batch_size: int = 64
+    lr: float = 0.02
+    seed: int = 0
+    init: str = "shared"
+    num_server_rounds: int = 1
+    fraction_train: float = 1.0
+    min_valid_replies: int = 2
+    node_wait_s: float = 120.0
+    lam: float = 1e-4
+    rho: float = 0.5
+    max_iters: int = 8
+    reference: str = "largest"
+    matching: str = "fisher"
+    aggregation: str = "fisher"
+    fisher_scaling: str = "none"
+    fallback: str = "objective"
+    sweep: bool = True
+    sweep_rho: str = "0.2,0.3,0.4,0.5,0.6,0.7"
+    sweep_lam: str = "1e-3,1e-4,1e-5"
+    sweep_reference: str = "largest,broadcast"
+    sweep_fisher_scaling: str = "none"
+    results_dir: str = "results"
+    run_name: str = ""
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> ValueError:
+            return ValueError(f"run config {key!r}: {why}, got {getattr(self, key.replace('-', '_'))!r}")
+
+        if self.num_partitions < 1:
+            raise bad("num-partitions", "must be >= 1")
+        if not self.alpha > 0:
+            raise bad("alpha", "must be > 0")
+        if self.local_epochs < 1:
+            raise bad("local-epochs", "must be >= 1")
+        if self.batch_size < 1:
+            raise bad("batch-size", "must be >= 1")
+        if self.num_server_rounds < 1:
+            raise bad("num-server-rounds", "must be >= 1")
+        if not 0 < self.fraction_train <= 1:
+            raise bad("fraction-train", "must lie in (0, 1]")
+        if self.init not in INITS:
+            raise bad("init", f"must be one of {INITS}")
+        if self.fallback not in FALLBACKS:
+            raise bad("fallback", f"must be one of {FALLBACKS}")
+        if self.fisher_scaling not in FISHER_SCALINGS:
+            raise bad("fisher-scaling", f"must be one of {FISHER_SCALINGS}")
+        if not (self.reference in REFERENCES or re.fullmatch(r"\d+", self.reference)):
+            raise bad("reference", f"must be one of {REFERENCES} or a client index")
+        if self.min_valid_replies < 1:
+            raise bad("min-valid-replies", "must be >= 1")
+        self.sweep_grid()  # validates the lists
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
+        """Build from Flower's ``context.run_config`` (unknown keys are rejected).
+
+        Raises
+        ------
+        ValueError
+            For an unknown key or a value of the wrong type.
+        """
+        known = {f.name.replace("_", "-"): f for f in fields(cls)}
+        unknown = sorted(set(run_config) - set(known))
+        if unknown:
+            raise ValueError(f"unknown run config keys {unknown}; known keys: {sorted(known)}")
+        kwargs: dict[str, Any] = {}
+        defaults = cls()
+        for key, value in run_config.items():
+            f = known[key]
+            default = getattr(defaults, f.name)
+            try:
+                if isinstance(default, bool):
+                    if isinstance(value, str):
+                        if value.lower() not in ("true", "false", "1", "0"):
+                            raise ValueError(value)
+                        value = value.lower() in ("true", "1")
+                    kwargs[f.name] = bool(value)
+                elif isinstance(default, int):
+                    if isinstance(value, float) and not value.is_integer():
+                        raise ValueError(value)
+                    kwargs[f.name] = int(value)
+                elif isinstance(default, float):
+                    kwargs[f.name] = float(value)
+                else:
+                    kwargs[f.name] = str(value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"run config {key!r}: expected {type(default).__name__}, got {value!r}") from exc
+        return cls(**kwargs)
+
+    def reference_value(self) -> str | int:
+        """``reference`` as the strategy expects it (a client index becomes an int)."""
+        return int(self.reference) if self.reference.isdigit() else self.reference
+
+    def sweep_grid(self) -> SweepGrid:
+        """The selection grid from the ``sweep-*`` lists."""
+        refs = parse_str_list(self.sweep_reference, "sweep-reference")
+        scalings = parse_str_list(self.sweep_fisher_scaling, "sweep-fisher-scaling")
+        for r in refs:
+            if r not in REFERENCES:
+                raise ValueError(f"run config 'sweep-reference': {r!r} is not one of {REFERENCES}")
+        for s in scalings:
+            if s not in FISHER_SCALINGS:
+                raise ValueError(f"run config 'sweep-fisher-scaling': {s!r} is not one of {FISHER_SCALINGS}")
+        return SweepGrid(
+            rhos=parse_float_list(self.sweep_rho, "sweep-rho"),
+            lams=parse_float_list(self.sweep_lam, "sweep-lam"),
+            references=refs,
+            fisher_scalings=scalings,
+        )
+
+    def run_dir(self) -> Path:
+        """``results_dir/run_name`` (run name derived from the settings when empty)."""
+        name = self.run_name or (
+            f"{self.dataset}-{self.model}-K{self.num_partitions}-a{self.alpha:g}-T{self.num_server_rounds}-"
+            f"{self.init}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        return Path(self.results_dir).expanduser() / name
+
+    def as_dict(self) -> dict[str, Any]:
+        """The configuration with run-config (kebab-case) keys."""
+        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+
+    def split(self) -> FederatedSplit:
+        """Load the data set and draw the federated split (both cached per process)."""
+        from .data import federated_split, load_dataset
+
+        bundle = load_dataset(self.dataset, root=self.data_root or None, augment=self.augment)
+        return federated_split(
+            bundle, num_partitions=self.num_partitions, alpha=self.alpha,
+            partition_seed=self.partition_seed, validation_size=self.validation_size,
+        )
+
+    def build_model(self, split: FederatedSplit, seed: int | None = None) -> torch.nn.Module:
+        """The configured model for ``split``'s data, Xavier-initialised with ``seed`` (default: ``self.seed``)."""
+        from .models import build_model
+
+        bundle = split.bundle
+        return build_model(self.model, bundle.input_shape, bundle.num_classes, seed=self.seed if seed is None else seed)
+
+    def client_init_seed(self, partition_id: int) -> int:
+        """Seed of client ``partition_id``'s own random init under ``init = "independent"``."""
+        return self.seed * 1000 + 1 + int(partition_id)

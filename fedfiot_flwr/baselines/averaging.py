@@ -1,0 +1,123 @@
+"""Input checks and the size-weighted average shared by the one-shot baselines (no Flower)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["check_clients", "client_weights", "size_weighted_average"]
+
+
+def check_clients(
+    models: Sequence[Mapping[str, np.ndarray]],
+    num_examples: Sequence[int],
+    client_ids: Sequence[str] | None = None,
+) -> list[str]:
+    """Validate the client models and sizes of a merge; return the client ids.
+
+    Parameters
+    ----------
+    models : sequence of mapping of str to np.ndarray
+        One state dict per client (same keys and shapes, finite float tensors).
+    num_examples : sequence of int
+        Positive local data-set sizes, one per client.
+    client_ids : sequence of str, optional
+        Names used in error messages (default ``"0"``, ``"1"``, ...).
+
+    Returns
+    -------
+    list[str]
+        The client ids.
+
+    Raises
+    ------
+    ValueError
+        On no clients, mismatched lengths, differing keys or shapes, non-finite float
+        tensors or a non-positive size; the message names the client and tensor.
+    """
+    if len(models) == 0:
+        raise ValueError("merge: no client models")
+    ids = [str(i) for i in range(len(models))] if client_ids is None else [str(c) for c in client_ids]
+    if len(ids) != len(models) or len(num_examples) != len(models):
+        raise ValueError(
+            f"merge: {len(models)} models, {len(num_examples)} num_examples and {len(ids)} client ids"
+        )
+    ref = models[0]
+    for cid, model, n in zip(ids, models, num_examples):
+        if isinstance(n, bool) or int(n) != n or int(n) <= 0:
+            raise ValueError(f"client {cid}: num_examples must be a positive integer, got {n!r}")
+        if set(model) != set(ref):
+            raise ValueError(
+                f"client {cid}: tensors differ from client {ids[0]}'s: missing {sorted(set(ref) - set(model))}, "
+                f"extra {sorted(set(model) - set(ref))}"
+            )
+        for name, value in model.items():
+            arr = np.asarray(value)
+            if arr.shape != np.shape(ref[name]):
+                raise ValueError(f"client {cid}, tensor {name!r}: shape {arr.shape} differs from {np.shape(ref[name])}")
+            if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
+                raise ValueError(f"client {cid}, tensor {name!r}: NaN or infinite values")
+    return ids
+
+
+def client_weights(num_examples: Sequence[int], scaling: str) -> np.ndarray:
+    """Per-client weights ``c_k`` summing to one.
+
+    Parameters
+    ----------
+    num_examples : sequence of int
+        Local data-set sizes.
+    scaling : str
+        ``"size"`` (``n_k / n``, FedFisher's code) or ``"none"`` (``1 / K``).
+
+    Returns
+    -------
+    np.ndarray
+        float64 weights.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``scaling``.
+    """
+    n = np.asarray(num_examples, dtype=np.float64)
+    if scaling == "size":
+        return n / n.sum()
+    if scaling == "none":
+        return np.full(len(n), 1.0 / len(n))
+    raise ValueError(f"unknown scaling {scaling!r}; choose 'size' or 'none'")
+
+
+def size_weighted_average(
+    models: Sequence[Mapping[str, np.ndarray]], num_examples: Sequence[int]
+) -> dict[str, np.ndarray]:
+    """FedAvg: ``sum_k n_k W_k / sum_k n_k`` per tensor (float64 accumulation).
+
+    Float tensors keep the first model's dtype; integer tensors (``num_batches_tracked``)
+    take the first client's value.
+
+    Parameters
+    ----------
+    models : sequence of mapping of str to np.ndarray
+        Client state dicts (already checked by :func:`check_clients`).
+    num_examples : sequence of int
+        Local data-set sizes.
+
+    Returns
+    -------
+    dict[str, np.ndarray]
+        The averaged state dict, in the first model's key order.
+    """
+    w = client_weights(num_examples, "size")
+    out: dict[str, np.ndarray] = {}
+    for name, first in models[0].items():
+        first = np.asarray(first)
+        if not np.issubdtype(first.dtype, np.floating):
+            out[name] = first.copy()
+            continue
+        # first + sum_k w_k (x_k - first): exactly ``first`` when every client sends it.
+        base = first.astype(np.float64)
+        acc = base + sum(wk * (np.asarray(m[name], dtype=np.float64) - base) for wk, m in zip(w, models))
+        out[name] = np.asarray(acc, dtype=first.dtype)
+    return out

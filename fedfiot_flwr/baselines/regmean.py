@@ -1,0 +1,218 @@
+"""RegMean (Jin, Ren, Preotiuc-Pietro, Cheng, ICLR 2023) server merge.
+
+For every Linear layer with uploaded Grams, RegMean picks the weights that best reproduce
+all clients' layer outputs on their own inputs,
+
+    W* = argmin_W sum_k ||X_k W^T - X_k W_k^T||^2,   i.e.   W* S = R,
+    S = sum_k G'_k,   R = sum_k W_k G'_k,   G'_k = alpha G_k + (1 - alpha) diag(G_k),
+
+where ``G_k = n_k E_k[x x^T]`` (``gram_scaling="size"``: ``X_k^T X_k``, so ``alpha = 1``
+is the least-squares fit on the union of the clients' inputs) or ``E_k[x x^T]``
+(``"none"``) and ``alpha`` scales the off-diagonal entries (paper: ``alpha`` in
+``{0.1, 0.9}``, chosen on the validation set by :func:`regmean_select`).
+
+Bias: when a layer has one, the client Grams are augmented with an input of ones (see
+:func:`fedfiot_flwr.curvature.input_grams`), so ``[W b]`` is solved jointly (the bias is
+the intercept of the least-squares fit) and ``alpha`` scales the bias row/column like any
+other off-diagonal entry.
+
+Null space: ``S`` can be singular (inputs that are zero on every client, low-rank
+compressed Grams with ``alpha = 1``). Of all solutions of ``W S = R`` the merge returns the
+one closest (Frobenius) to the size-weighted average ``W_avg``:
+``W* = W_avg + (R - W_avg S) S^+``, with ``S^+`` the pseudo-inverse (singular values below
+``rcond`` times the largest are dropped). When ``S`` is invertible this is the unique
+solution. Every other tensor (convolutions, buffers, Linear layers without Grams) is the
+size-weighted average.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.linalg
+
+from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
+from fedfiot_flwr.curvature import InputGram, layer_matrix
+
+__all__ = ["REGMEAN_ALPHAS", "RegMeanResult", "regmean_merge", "regmean_select", "scale_off_diagonal"]
+
+REGMEAN_ALPHAS: tuple[float, ...] = (0.1, 0.9)
+"""The paper's off-diagonal scalings, selected on validation data."""
+
+Model = dict[str, np.ndarray]
+
+
+@dataclass
+class RegMeanResult:
+    """Outcome of :func:`regmean_select`.
+
+    Attributes
+    ----------
+    model : dict[str, np.ndarray]
+        The merge with the best validation score.
+    alpha : float
+        Its off-diagonal scaling.
+    scores : dict[float, float]
+        Validation score of every ``alpha`` tried.
+    merged_layers : list[str]
+        Module names merged in closed form (the rest are size-weighted averages).
+    seconds : float
+        Wall-clock time of all merges.
+    """
+
+    model: Model
+    alpha: float
+    scores: dict[float, float] = field(default_factory=dict)
+    merged_layers: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def scale_off_diagonal(gram: np.ndarray, alpha: float) -> np.ndarray:
+    """``alpha * G + (1 - alpha) * diag(G)``: off-diagonal entries times ``alpha``."""
+    g = np.asarray(gram, dtype=np.float64)
+    out = alpha * g
+    out[np.diag_indices_from(out)] = np.diag(g)
+    return out
+
+
+def _check_grams(
+    ids: Sequence[str], models: Sequence[Mapping[str, np.ndarray]], grams: Sequence[Mapping[str, InputGram]]
+) -> list[str]:
+    if len(grams) != len(models):
+        raise ValueError(f"regmean: {len(grams)} Gram sets for {len(models)} models")
+    layers = list(grams[0])
+    for cid, gset, model in zip(ids, grams, models):
+        if list(gset) != layers:
+            raise ValueError(f"client {cid}: RegMean layers {list(gset)} differ from client {ids[0]}'s {layers}")
+        for layer in layers:
+            g, ref = gset[layer], grams[0][layer]
+            if (g.weight, g.bias) != (ref.weight, ref.bias):
+                raise ValueError(f"client {cid}, layer {layer!r}: weight/bias names differ from client {ids[0]}'s")
+            for name in (g.weight, g.bias):
+                if name is not None and name not in model:
+                    raise ValueError(f"client {cid}, layer {layer!r}: tensor {name!r} is not in the model")
+            w = np.asarray(model[g.weight])
+            if w.ndim != 2:
+                raise ValueError(f"client {cid}, layer {layer!r}: RegMean needs a 2-D Linear weight, got shape {w.shape}")
+            size = w.shape[1] + (g.bias is not None)
+            m = np.asarray(g.gram)
+            if m.shape != (size, size):
+                raise ValueError(f"client {cid}, layer {layer!r}: Gram has shape {m.shape}, expected {(size, size)}")
+            if not np.all(np.isfinite(m)):
+                raise ValueError(f"client {cid}, layer {layer!r}: Gram has NaN or infinite values")
+    return layers
+
+
+def regmean_merge(
+    models: Sequence[Mapping[str, np.ndarray]],
+    grams: Sequence[Mapping[str, InputGram]],
+    num_examples: Sequence[int],
+    *,
+    alpha: float = 0.9,
+    gram_scaling: str = "size",
+    rcond: float = 1e-10,
+    client_ids: Sequence[str] | None = None,
+) -> Model:
+    """RegMean with one off-diagonal scaling ``alpha``.
+
+    Parameters
+    ----------
+    models : sequence of mapping of str to np.ndarray
+        Client state dicts (dequantized uploads).
+    grams : sequence of mapping of str to InputGram
+        Per client, ``{module name: InputGram}`` (mean Grams; same layers for every client),
+        as returned by :func:`fedfiot_flwr.curvature.input_grams` (or dequantized).
+    num_examples : sequence of int
+        Local data-set sizes.
+    alpha : float
+        Off-diagonal scaling in ``[0, 1]`` (1: the exact least-squares merge).
+    gram_scaling : str
+        ``"size"`` (Grams times ``n_k``: ``X_k^T X_k``) or ``"none"``.
+    rcond : float
+        Relative cut-off of the pseudo-inverse of ``S``.
+    client_ids : sequence of str, optional
+        Names for error messages.
+
+    Returns
+    -------
+    dict[str, np.ndarray]
+        The merged state dict (the first model's key order and dtypes).
+
+    Raises
+    ------
+    ValueError
+        On inconsistent models, Gram sets or shapes, non-finite Grams or ``alpha`` outside
+        ``[0, 1]``; the message names the client and layer.
+    """
+    ids = check_clients(models, num_examples, client_ids)
+    if not (0.0 <= alpha <= 1.0):
+        raise ValueError(f"regmean: alpha must lie in [0, 1], got {alpha!r}")
+    layers = _check_grams(ids, models, grams)
+    weights = client_weights(num_examples, "size")
+    scale = np.asarray(num_examples, dtype=np.float64) if gram_scaling == "size" else client_weights(num_examples, gram_scaling)
+    out = size_weighted_average(models, num_examples)
+    for layer in layers:
+        g0 = grams[0][layer]
+        mats = [layer_matrix(m[g0.weight], None if g0.bias is None else m[g0.bias]).astype(np.float64) for m in models]
+        s = np.zeros((mats[0].shape[1],) * 2)
+        r = np.zeros_like(mats[0])
+        for sk, mat, gset in zip(scale, mats, grams):
+            gk = scale_off_diagonal(sk * np.asarray(gset[layer].gram, dtype=np.float64), alpha)
+            s += gk
+            r += mat @ gk
+        w_avg = sum(wk * mat for wk, mat in zip(weights, mats))
+        s = (s + s.T) / 2.0
+        delta_t, *_ = scipy.linalg.lstsq(s, (r - w_avg @ s).T, cond=rcond)
+        merged = w_avg + delta_t.T
+        n_w = int(np.prod(np.shape(out[g0.weight])[1:]))
+        out[g0.weight] = merged[:, :n_w].reshape(np.shape(out[g0.weight])).astype(out[g0.weight].dtype)
+        if g0.bias is not None:
+            out[g0.bias] = merged[:, n_w].astype(out[g0.bias].dtype)
+    return out
+
+
+def regmean_select(
+    models: Sequence[Mapping[str, np.ndarray]],
+    grams: Sequence[Mapping[str, InputGram]],
+    num_examples: Sequence[int],
+    evaluate: Callable[[Model], float] | None,
+    *,
+    alphas: Sequence[float] = REGMEAN_ALPHAS,
+    gram_scaling: str = "size",
+    rcond: float = 1e-10,
+    client_ids: Sequence[str] | None = None,
+) -> RegMeanResult:
+    """RegMean for every ``alpha`` in ``alphas``; keep the best on validation.
+
+    Parameters
+    ----------
+    models, grams, num_examples, gram_scaling, rcond, client_ids
+        As in :func:`regmean_merge`.
+    evaluate : callable or None
+        ``model -> score`` on the validation set (higher is better). ``None`` returns the
+        merge with the last ``alpha``.
+    alphas : sequence of float
+        Candidates (paper: 0.1 and 0.9); ties go to the earlier one.
+
+    Returns
+    -------
+    RegMeanResult
+    """
+    if len(alphas) == 0:
+        raise ValueError("regmean_select: no alpha to try")
+    t0 = time.perf_counter()
+    best: tuple[float, Model, float] | None = None
+    scores: dict[float, float] = {}
+    for alpha in alphas:
+        model = regmean_merge(models, grams, num_examples, alpha=float(alpha), gram_scaling=gram_scaling,
+                              rcond=rcond, client_ids=client_ids)
+        score = float("nan") if evaluate is None else float(evaluate(model))
+        scores[float(alpha)] = score
+        key = score if np.isfinite(score) else -np.inf
+        if best is None or evaluate is None or key > best[2]:
+            best = (float(alpha), model, key)
+    assert best is not None
+    return RegMeanResult(best[1], best[0], scores, list(grams[0]), time.perf_counter() - t0)

@@ -1,0 +1,542 @@
+"""Client-side curvature of the baselines: K-FAC factors (FedFisher) and input Grams (RegMean).
+
+K-FAC (Martens & Grosse 2015; for convolutions Grosse & Martens 2016, "KFC") approximates
+the Fisher block of a layer with weight ``W`` (``d_out x d_in``; a convolution's weight is
+flattened to ``d_out x (C_in k_h k_w)`` in ``F.unfold``'s order) by a Kronecker product,
+
+    F_l ~= A ⊗ G,    vec(dW)^T (A ⊗ G) vec(dW) = tr(G dW A dW^T),
+
+with ``vec`` stacking columns. Over a client's ``N`` examples ``n`` and, for a convolution,
+its ``T`` output positions ``t`` (the unfolded input patches ``a_{n,t}``):
+
+- ``A = (1 / (N T)) sum_{n,t} a_{n,t} a_{n,t}^T`` (``T = 1`` for a Linear layer), the input
+  second moment; when the layer has a bias, ``a`` gets a trailing 1 so that the bias is the
+  last column of ``[W b]`` and shares the factor;
+- ``G = (1 / N) sum_n sum_{v} sum_t g_{n,t,v} g_{n,t,v}^T``, where ``g_{n,t,v}`` is the
+  gradient with respect to the layer's output (at position ``t``) of ``v^T z_n``, ``z_n`` the
+  logits: ``kind="empirical"`` uses the single vector ``v = p_n - e_{y_n}`` (the gradient of
+  ``-log p(y_n | x_n)``, observed labels, as in eq. 106); ``kind="true"`` uses the ``C``
+  columns of a square root of ``diag(p_n) - p_n p_n^T`` (the exact expectation over the
+  model's predictive distribution, FedFisher's choice), so ``sum_v`` is the expectation over
+  labels. The two kinds are the options of :func:`fedfiot_flwr.fisher.diagonal_fisher`.
+
+So ``A ⊗ G`` is the K-FAC approximation of the per-example *mean* Fisher (KFC's ``Ω ⊗ Γ``
+for convolutions: the ``1/T`` sits on ``A`` here), the same normalisation as
+:func:`fedfiot_flwr.fisher.diagonal_fisher`. For a single Linear layer on a single example
+it is exact.
+
+The factors are computed by ``curvlinops-for-pytorch``'s ``KFACLinearOperator``
+(``kfac_approx="expand"``, ``separate_weight_and_bias=False``, summed cross-entropy, then
+``G`` divided by ``N``). RegMean's Gram of a Linear layer's inputs is the same ``A`` factor,
+obtained from the forward pass alone (``fisher_type="forward-only"``).
+
+Uploads compress each symmetric PSD factor ``M`` (``n x n``) as ``M ~= L L^T`` with
+``L = V_r diag(sqrt(lambda_r))`` from its top-``r`` eigenpairs, each column of ``L`` stored as
+signed 8-bit codes (``[-127, 127]``, eq. 107 with ``l_q = 127``) plus one float32 scale:
+``n r + 4 r`` bytes. A symmetric factor needs only one set of singular vectors, so at the
+same byte count this keeps twice the rank of FedFisher's ``U S V^T`` code. The
+reconstruction ``L_hat L_hat^T`` is PSD by construction. :func:`rank_for_budget` picks the
+largest rank ``r`` shared by all factors (``min(n, r)`` each, as in FedFisher's code) that
+fits a byte budget, e.g. FedAvg's float32 upload minus the 16-bit weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import scipy.linalg
+import torch
+from torch import nn
+
+from fedfiot_flwr.fisher import FISHER_KINDS
+from fedfiot_flwr.task import split_batch
+
+__all__ = [
+    "CODE_LEVELS",
+    "CompressedPSD",
+    "InputGram",
+    "KFACFactors",
+    "compress_psd",
+    "compressed_nbytes",
+    "curvature_modules",
+    "decompress_psd",
+    "input_grams",
+    "kfac_factors",
+    "layer_matrix",
+    "rank_for_budget",
+]
+
+CODE_LEVELS: int = 127
+"""Positive levels of the 8-bit factor codes (codes lie in ``[-127, 127]``)."""
+
+
+# ------------------------------------------------------------------------------ records
+
+
+@dataclass(frozen=True)
+class KFACFactors:
+    """K-FAC factors of one Linear or Conv2d layer.
+
+    Attributes
+    ----------
+    weight : str
+        State-dict key of the layer's weight.
+    bias : str or None
+        State-dict key of its bias (``None`` without one). When set, ``A`` is augmented:
+        its last row/column belongs to the bias (an input of ones).
+    A : np.ndarray
+        ``(d_in [+1], d_in [+1])`` input factor (float64, symmetric PSD).
+    G : np.ndarray
+        ``(d_out, d_out)`` output-gradient factor (float64, symmetric PSD).
+    """
+
+    weight: str
+    bias: str | None
+    A: np.ndarray
+    G: np.ndarray
+
+
+@dataclass(frozen=True)
+class InputGram:
+    """RegMean's Gram matrix of one Linear layer's inputs.
+
+    Attributes
+    ----------
+    weight : str
+        State-dict key of the layer's weight.
+    bias : str or None
+        State-dict key of its bias; when set the Gram is augmented with an input of ones
+        (last row/column), so RegMean solves for ``[W b]`` jointly.
+    gram : np.ndarray
+        ``(d_in [+1], d_in [+1])`` mean of ``x x^T`` over the client's inputs (float64).
+    """
+
+    weight: str
+    bias: str | None
+    gram: np.ndarray
+
+
+@dataclass(frozen=True)
+class CompressedPSD:
+    """A symmetric PSD matrix ``M ~= L L^T`` with ``L`` stored as 8-bit codes.
+
+    Attributes
+    ----------
+    codes : np.ndarray
+        ``(n, r)`` int8 codes of ``L``, in ``[-CODE_LEVELS, CODE_LEVELS]``.
+    scales : np.ndarray
+        ``(r,)`` float32 per-column scales (``max |L[:, j]|``).
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+
+    @property
+    def size(self) -> int:
+        """``n``: the matrix is ``n x n``."""
+        return int(self.codes.shape[0])
+
+    @property
+    def rank(self) -> int:
+        """``r``: number of kept eigenpairs."""
+        return int(self.codes.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the payload (codes and scales)."""
+        return int(self.codes.nbytes + self.scales.nbytes)
+
+
+# ------------------------------------------------------------------------ layer helpers
+
+
+def curvature_modules(model: nn.Module, linear_only: bool = False) -> dict[str, nn.Module]:
+    """Layers that get factors: ``{module name: module}`` in ``named_modules`` order.
+
+    Linear layers and (unless ``linear_only``) Conv2d layers with ``groups == 1``; a layer
+    whose parameters are shared with another module is left out, as are layers without a
+    weight.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The network.
+    linear_only : bool
+        Only Linear layers (RegMean).
+
+    Returns
+    -------
+    dict[str, nn.Module]
+    """
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    types: tuple[type, ...] = (nn.Linear,) if linear_only else (nn.Linear, nn.Conv2d)
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, types) or getattr(module, "weight", None) is None:
+            continue
+        if isinstance(module, nn.Conv2d) and module.groups != 1:
+            continue
+        if any(owners[id(p)] > 1 for p in module.parameters(recurse=False)):
+            continue
+        out[name] = module
+    return out
+
+
+def _key(module_name: str, param: str) -> str:
+    return f"{module_name}.{param}" if module_name else param
+
+
+def layer_matrix(weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """The ``d_out x (d_in [+1])`` matrix ``[W b]`` the factors act on.
+
+    A convolution's ``(C_out, C_in, k_h, k_w)`` weight is flattened to
+    ``(C_out, C_in k_h k_w)`` (``F.unfold``'s patch order); a bias becomes the last column.
+
+    Parameters
+    ----------
+    weight : np.ndarray
+        Layer weight (2-D or 4-D).
+    bias : np.ndarray, optional
+        Layer bias of length ``d_out``.
+
+    Returns
+    -------
+    np.ndarray
+    """
+    w = np.asarray(weight)
+    w2 = w.reshape(w.shape[0], -1)
+    if bias is None:
+        return w2
+    return np.concatenate([w2, np.asarray(bias, dtype=w2.dtype).reshape(-1, 1)], axis=1)
+
+
+# ----------------------------------------------------------------------- factor passes
+
+
+class _Pairs:
+    """Re-iterable view of a loader as ``(x, y)`` tensor pairs (dict batches allowed)."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in self.loader:
+            yield split_batch(batch)
+
+
+@contextlib.contextmanager
+def _curvature_mode(model: nn.Module, device: torch.device | str | None) -> Iterator[None]:
+    """Eval mode, grad-enabled parameters, optionally another device; all restored."""
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("curvature: the model has no parameters")
+    home = params[0].device
+    dev = home if device is None else torch.device(device)
+    was_training = model.training
+    flags = [p.requires_grad for p in params]
+    try:
+        if dev != home:
+            model.to(dev)
+        model.eval()
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            yield
+    finally:
+        for p, f in zip(params, flags):
+            p.requires_grad_(f)
+        model.train(was_training)
+        if dev != home:
+            model.to(home)
+
+
+def _count(pairs: _Pairs, loader: Iterable[Any]) -> int:
+    dataset = getattr(loader, "dataset", None)
+    drop_last = bool(getattr(loader, "drop_last", False))
+    if dataset is not None and hasattr(dataset, "__len__") and not drop_last:
+        return int(len(dataset))
+    return int(sum(int(x.shape[0]) for x, _ in pairs))
+
+
+def _run_kfac(
+    model: nn.Module,
+    dataloader: Iterable[Any],
+    modules: Mapping[str, nn.Module],
+    fisher_type: str,
+    progress: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """Run curvlinops' K-FAC over the data; return (input, gradient covariances, N)."""
+    with warnings.catch_warnings():  # linear_operator (a curvlinops dependency) calls torch.jit.script
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*", category=FutureWarning)
+        from curvlinops import KFACLinearOperator  # imported lazily: only clients need it
+
+    pairs = _Pairs(dataloader)
+    n = _count(pairs, dataloader)
+    if n == 0:
+        raise ValueError("curvature: the data loader yielded no examples")
+    params = [p for m in modules.values() for p in m.parameters(recurse=False)]
+    op = KFACLinearOperator(
+        model,
+        nn.CrossEntropyLoss(reduction="sum"),
+        params,
+        pairs,
+        progressbar=progress,
+        check_deterministic=False,
+        fisher_type=fisher_type,
+        kfac_approx="expand",
+        num_per_example_loss_terms=1,
+        separate_weight_and_bias=False,
+        num_data=n,
+    )
+    op.compute_kronecker_factors()
+    state = op.state_dict()
+    return dict(state["input_covariances"]), dict(state["gradient_covariances"]), n
+
+
+def kfac_factors(
+    model: nn.Module,
+    dataloader: Iterable[Any],
+    kind: str = "true",
+    *,
+    modules: Sequence[str] | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, KFACFactors]:
+    """K-FAC factors ``A`` and ``G`` of every Linear / Conv2d layer over a client's data.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Classifier returning ``(batch, classes)`` logits; evaluated in eval mode.
+    dataloader : Iterable
+        Yields ``(x, y)`` batches (or dicts, see :func:`fedfiot_flwr.task.split_batch`); one
+        pass is the client's data. Use a loader without augmentation or ``drop_last``.
+    kind : str
+        ``"true"`` (expectation over the model's predictive distribution; FedFisher's
+        code) or ``"empirical"`` (observed labels; FedFiOT's eq. 106).
+    modules : sequence of str, optional
+        Module names to cover; default :func:`curvature_modules` of ``model``.
+    device : torch.device or str, optional
+        Where to compute (default: the model's device); the model is moved back after.
+    progress : bool
+        Show curvlinops' progress bar.
+
+    Returns
+    -------
+    dict[str, KFACFactors]
+        Keyed by module name, in layer order; float64 NumPy factors on the CPU.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``kind``, an unknown or unsupported module, a model without
+        parameters or an empty loader.
+    """
+    if kind not in FISHER_KINDS:
+        raise ValueError(f"unknown Fisher kind {kind!r}; choose one of {FISHER_KINDS}")
+    chosen = _select(model, modules, linear_only=False)
+    fisher_type = {"true": "type-2", "empirical": "empirical"}[kind]
+    with _curvature_mode(model, device):
+        a_cov, g_cov, n = _run_kfac(model, dataloader, chosen, fisher_type, progress)
+    out: dict[str, KFACFactors] = {}
+    for name, module in chosen.items():
+        bias = _key(name, "bias") if module.bias is not None else None
+        out[name] = KFACFactors(
+            weight=_key(name, "weight"),
+            bias=bias,
+            A=_to_numpy(a_cov[name]),
+            G=_to_numpy(g_cov[name]) / n,
+        )
+    return out
+
+
+def input_grams(
+    model: nn.Module,
+    dataloader: Iterable[Any],
+    *,
+    modules: Sequence[str] | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, InputGram]:
+    """RegMean's Gram matrices ``E[x x^T]`` of every Linear layer's inputs.
+
+    The Gram of a layer with a bias is augmented with an input of ones (last row/column:
+    the mean input and 1). Multiply by the client's example count to get ``X^T X``.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The network (eval mode; only forward passes are run).
+    dataloader : Iterable
+        Yields ``(x, y)`` batches; one pass is the client's data (labels are unused).
+    modules : sequence of str, optional
+        Linear module names to cover; default every Linear layer.
+    device : torch.device or str, optional
+        Where to compute (default: the model's device).
+    progress : bool
+        Show curvlinops' progress bar.
+
+    Returns
+    -------
+    dict[str, InputGram]
+        Keyed by module name, in layer order; float64 NumPy Grams on the CPU.
+
+    Raises
+    ------
+    ValueError
+        For an unknown or non-Linear module, a model without parameters or an empty loader.
+    """
+    chosen = _select(model, modules, linear_only=True)
+    with _curvature_mode(model, device):
+        a_cov, _, _ = _run_kfac(model, dataloader, chosen, "forward-only", progress)
+    return {
+        name: InputGram(
+            weight=_key(name, "weight"),
+            bias=_key(name, "bias") if module.bias is not None else None,
+            gram=_to_numpy(a_cov[name]),
+        )
+        for name, module in chosen.items()
+    }
+
+
+def _select(model: nn.Module, modules: Sequence[str] | None, linear_only: bool) -> dict[str, nn.Module]:
+    available = curvature_modules(model, linear_only=linear_only)
+    if modules is None:
+        if not available:
+            kinds = "Linear" if linear_only else "Linear or Conv2d"
+            raise ValueError(f"curvature: {type(model).__name__} has no {kinds} layer")
+        return available
+    unknown = [m for m in modules if m not in available]
+    if unknown:
+        kinds = "Linear" if linear_only else "Linear / Conv2d (groups=1)"
+        raise ValueError(f"curvature: modules {unknown} are not unshared {kinds} layers of the model")
+    return {m: available[m] for m in available if m in set(modules)}
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    m = t.detach().to("cpu", torch.float64).numpy()
+    return (m + m.T) / 2.0  # exact symmetry (accumulation order can differ by an ulp)
+
+
+# ------------------------------------------------------------------------- compression
+
+
+def _check_square(m: np.ndarray, name: str) -> np.ndarray:
+    arr = np.asarray(m, dtype=np.float64)
+    if arr.ndim != 2 or arr.shape[0] != arr.shape[1]:
+        raise ValueError(f"{name!r}: expected a square matrix, got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name!r}: the matrix contains NaN or infinite values")
+    return arr
+
+
+def compress_psd(m: np.ndarray, rank: int | None = None, name: str = "factor") -> CompressedPSD:
+    """Truncated eigendecomposition + 8-bit codes of a symmetric PSD matrix.
+
+    Parameters
+    ----------
+    m : np.ndarray
+        ``(n, n)`` symmetric PSD matrix (symmetrised; negative eigenvalues from rounding are
+        clipped to zero).
+    rank : int, optional
+        Eigenpairs to keep (``min(rank, n)``); ``None`` keeps all ``n``.
+    name : str
+        Used in error messages.
+
+    Returns
+    -------
+    CompressedPSD
+        ``n r + 4 r`` bytes; :func:`decompress_psd` rebuilds ``L_hat L_hat^T``.
+
+    Raises
+    ------
+    ValueError
+        On a non-square or non-finite matrix or a negative rank.
+    """
+    arr = _check_square(m, name)
+    n = arr.shape[0]
+    if rank is not None and int(rank) < 0:
+        raise ValueError(f"{name!r}: rank must be >= 0, got {rank}")
+    r = n if rank is None else min(int(rank), n)
+    if r == 0 or n == 0:
+        return CompressedPSD(np.zeros((n, 0), dtype=np.int8), np.zeros(0, dtype=np.float32))
+    sym = (arr + arr.T) / 2.0
+    vals, vecs = scipy.linalg.eigh(sym, subset_by_index=[n - r, n - 1])
+    factor = vecs * np.sqrt(np.clip(vals, 0.0, None))  # (n, r), ascending eigenvalues
+    factor = factor[:, ::-1]
+    scales = np.abs(factor).max(axis=0).astype(np.float32)
+    safe = np.where(scales > 0, scales.astype(np.float64), 1.0)
+    codes = np.clip(np.rint(factor / safe * CODE_LEVELS), -CODE_LEVELS, CODE_LEVELS).astype(np.int8)
+    return CompressedPSD(codes, scales)
+
+
+def decompress_psd(c: CompressedPSD, name: str = "factor") -> np.ndarray:
+    """Rebuild ``L_hat L_hat^T`` (float64) from :func:`compress_psd`'s output.
+
+    Raises
+    ------
+    ValueError
+        On codes that are not int8 in ``[-127, 127]``, or scales of the wrong length,
+        negative or non-finite.
+    """
+    codes = np.asarray(c.codes)
+    scales = np.asarray(c.scales)
+    if codes.ndim != 2 or codes.dtype != np.int8:
+        raise ValueError(f"{name!r}: codes must be a 2-D int8 array, got {codes.dtype} {codes.shape}")
+    if codes.size and int(codes.min()) < -CODE_LEVELS:
+        raise ValueError(f"{name!r}: code -128 is outside [-{CODE_LEVELS}, {CODE_LEVELS}]")
+    if scales.shape != (codes.shape[1],):
+        raise ValueError(f"{name!r}: {scales.shape} scales for {codes.shape[1]} columns")
+    if not np.all(np.isfinite(scales)) or np.any(scales < 0):
+        raise ValueError(f"{name!r}: scales must be finite and non-negative")
+    factor = codes.astype(np.float64) * (scales.astype(np.float64) / CODE_LEVELS)
+    return factor @ factor.T
+
+
+def compressed_nbytes(size: int, rank: int | None) -> int:
+    """Bytes of :func:`compress_psd`'s payload for an ``size x size`` matrix."""
+    r = size if rank is None else min(int(rank), int(size))
+    return int(size * r + 4 * r)
+
+
+def rank_for_budget(sizes: Sequence[int], budget_bytes: int) -> int:
+    """Largest rank ``r`` such that the factors, each kept at ``min(n, r)``, fit the budget.
+
+    Parameters
+    ----------
+    sizes : sequence of int
+        ``n`` of every factor to upload.
+    budget_bytes : int
+        Bytes available for all factors together.
+
+    Returns
+    -------
+    int
+        The shared rank cap (``max(sizes)`` when everything fits uncompressed in rank, 0 when
+        not even rank 1 fits).
+    """
+    sizes = [int(s) for s in sizes]
+    if not sizes:
+        return 0
+
+    def cost(r: int) -> int:
+        return sum(compressed_nbytes(s, r) for s in sizes)
+
+    lo, hi = 0, max(sizes)
+    if cost(hi) <= budget_bytes:
+        return hi
+    while lo < hi:  # cost is non-decreasing in r
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,395 @@
+"""Start, use and stop a private local Flower federation (SuperLink, SuperNodes, ``flwr run``).
+
+Used by ``scripts/run_main.sh`` and the end-to-end tests; also handy by hand::
+
+    python -m fedfiot_flwr.launch --mode simulation --num-supernodes 6 \\
+        --run-config "local-epochs=5" --results-dir /tmp/fedfiot
+
+Why not plain ``flwr run .``: ``flwr run`` starts a detached local SuperLink that outlives it,
+on fixed ports, keeps its state in ``~/.flwr``, and exits 0 even when the run fails. Here every
+federation gets its own ``FLWR_HOME`` (temp dir), free ports, processes started in their own
+session and stopped by PID, runtime dependency installation disabled (the app runs in this
+environment), and success is read from the run's ``results.json``, not from exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that are free right now (all bound at once, so the
+    OS cannot hand out the same port twice)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _bin(name: str) -> str:
+    """Path of a console script of this environment (``flwr``, ``flower-superlink``...)."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name!r} not found next to {sys.executable} nor on PATH; install flwr")
+    return found
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def run_config_arg(values: Mapping[str, Any]) -> str:
+    """Format ``{"key": value}`` as one ``flwr run --run-config`` string (TOML values)."""
+    return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
+
+
+@dataclass
+class LocalFederation:
+    """A private Flower federation on loopback: one SuperLink and, in deployment mode, SuperNodes.
+
+    Parameters
+    ----------
+    mode : {"simulation", "deployment"}
+        ``"simulation"``: a ``flower-superlink --simulation`` (the simulation engine runs the
+        ClientApps); ``"deployment"``: a SuperLink plus ``num_supernodes`` real
+        ``flower-supernode`` processes with ``partition-id=i num-partitions=K``.
+    num_supernodes : int
+        Number of (virtual or real) SuperNodes.
+    workdir : Path, optional
+        Where ``FLWR_HOME`` and the process logs go (default: a new temp dir, removed on stop).
+    env : mapping, optional
+        Extra environment variables for every process.
+
+    Attributes
+    ----------
+    processes : dict[str, subprocess.Popen]
+        Started processes by role (``"superlink"``, ``"supernode-0"``...).
+    """
+
+    mode: str = "simulation"
+    num_supernodes: int = 2
+    workdir: Path | None = None
+    env: Mapping[str, str] | None = None
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _own_workdir: bool = False
+    _logs: list[IO[bytes]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("simulation", "deployment"):
+            raise ValueError(f"mode must be 'simulation' or 'deployment', got {self.mode!r}")
+        if self.num_supernodes < 1:
+            raise ValueError(f"num_supernodes must be >= 1, got {self.num_supernodes}")
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="fedfiot-flwr-"))
+            self._own_workdir = True
+        self.workdir = Path(self.workdir).resolve()
+        self.flwr_home = self.workdir / "flwr-home"
+        # SuperLink port, then one Runtime API port per SuperNode (deployment mode).
+        self.port, *self.node_ports = free_ports(1 + (self.num_supernodes if self.mode == "deployment" else 0))
+
+    # -- environment ---------------------------------------------------------------------
+    def environ(self) -> dict[str, str]:
+        """Environment of every process: private FLWR_HOME, no runtime installs, no update check."""
+        env = dict(os.environ)
+        env.update(
+            {
+                "FLWR_HOME": str(self.flwr_home),
+                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                "FLWR_DISABLE_UPDATE_CHECK": "1",
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.env or {})
+        return env
+
+    def _spawn(self, role: str, cmd: Sequence[str]) -> subprocess.Popen[bytes]:
+        assert self.workdir is not None
+        log = open(self.workdir / f"{role}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        # A new session: the process and everything it spawns (ServerApp, simulation engine,
+        # ClientApps) share one process group that stop() can signal by its id.
+        proc = subprocess.Popen(
+            list(cmd), env=self.environ(), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir,
+        )
+        self.processes[role] = proc
+        return proc
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self, timeout: float = 60.0) -> LocalFederation:
+        """Start the SuperLink (and SuperNodes), write the CLI connection, wait until ready."""
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "fedfiot"\n\n[superlink.fedfiot]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n',
+            encoding="utf-8",
+        )
+        cmd = [
+            _bin("flower-superlink"), "--insecure", "--isolation", "subprocess",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--database", str(self.flwr_home / "state.db"),
+            "--disable-runtime-dependency-installation",
+        ]
+        if self.mode == "simulation":
+            cmd.append("--simulation")
+        self._spawn("superlink", cmd)
+        self._wait_health(timeout)
+        if self.mode == "deployment":
+            for i in range(self.num_supernodes):
+                self._spawn(
+                    f"supernode-{i}",
+                    [
+                        _bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+                        "--port", str(self.node_ports[i]),
+                        "--node-config", f"partition-id={i} num-partitions={self.num_supernodes}",
+                    ],
+                )
+            time.sleep(2.0)  # a SuperNode that cannot start (e.g. port taken) exits at once
+            for role, proc in self.processes.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{role} exited with code {proc.returncode}; see {self.log_path(role)}")
+        return self
+
+    def _wait_health(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        proc = self.processes["superlink"]
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"flower-superlink exited with code {proc.returncode}; see {self.log_path('superlink')}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=0.5).is_success:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"flower-superlink not ready after {timeout:.0f}s; see {self.log_path('superlink')}")
+
+    def log_path(self, role: str) -> Path:
+        """Log file of a started process."""
+        assert self.workdir is not None
+        return self.workdir / f"{role}.log"
+
+    def pids(self) -> dict[str, int]:
+        """PIDs of the started processes by role."""
+        return {role: p.pid for role, p in self.processes.items()}
+
+    def flwr_run(
+        self,
+        app_dir: str | Path,
+        run_config: Mapping[str, Any] | None = None,
+        run_config_file: str | Path | None = None,
+        timeout: float = 600.0,
+    ) -> subprocess.CompletedProcess[str]:
+        """``flwr run <app_dir> --stream``; returns when the run ends (its exit code means little).
+
+        Parameters
+        ----------
+        app_dir : str or Path
+            The Flower app (directory with pyproject.toml).
+        run_config : mapping, optional
+            Run-config overrides.
+        run_config_file : str or Path, optional
+            A TOML run-config file (e.g. ``configs/digits-oneshot.toml``), applied before
+            ``run_config``.
+        timeout : float
+            Seconds before ``flwr run`` is killed.
+        """
+        cmd = [_bin("flwr"), "run", str(Path(app_dir).resolve()), "--stream"]
+        if self.mode == "simulation":
+            cmd += ["--federation-config", f"num-supernodes={self.num_supernodes}"]
+        # Flower refuses a TOML file next to key=value pairs: merge them into one set of pairs.
+        values: dict[str, Any] = {}
+        if run_config_file is not None:
+            values.update(_load_toml(Path(run_config_file)))
+        values.update(run_config or {})
+        if values:
+            cmd += ["--run-config", run_config_arg(values)]
+        return subprocess.run(
+            cmd, env=self.environ(), capture_output=True, text=True, timeout=timeout,
+            cwd=self.workdir, check=False,
+        )
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop every started process by PID (SIGTERM, then SIGKILL), with its process group."""
+        for role in reversed(list(self.processes)):
+            proc = self.processes[role]
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if proc.poll() is None:
+                    try:
+                        os.kill(proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+                    try:
+                        proc.wait(timeout=grace)
+                    except subprocess.TimeoutExpired:
+                        continue
+            self._kill_group(proc.pid, grace)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    @staticmethod
+    def _kill_group(pgid: int, grace: float) -> None:
+        """Signal what is left of the process group the process led (children it spawned)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                return
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(pgid, 0)
+                except (ProcessLookupError, PermissionError):
+                    return
+                time.sleep(0.1)
+
+    def cleanup(self) -> None:
+        """Stop everything and remove the temp work dir (when this object created it)."""
+        self.stop()
+        if self._own_workdir and self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalFederation:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def wait_for_results(path: str | Path, timeout: float = 600.0, poll: float = 1.0) -> dict[str, Any]:
+    """Wait until ``results.json`` at ``path`` says "finished" or "failed"; return its content.
+
+    Raises
+    ------
+    TimeoutError
+        If the file does not reach a final status in time.
+    """
+    target = Path(path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if target.exists():
+            try:
+                data = json.loads(target.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                data = {}
+            if data.get("status") in ("finished", "failed"):
+                return data
+        time.sleep(poll)
+    raise TimeoutError(f"{target} did not reach status finished/failed within {timeout:.0f}s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: run the app once on a private federation, print the results, return 0 only on success."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--app", default=".", help="Flower app directory (default: .)")
+    parser.add_argument("--mode", choices=("simulation", "deployment"), default="simulation")
+    parser.add_argument("--num-supernodes", type=int, default=None,
+                        help="default: the app's num-partitions (6)")
+    parser.add_argument("--run-config-file", default=None, help="TOML run config, e.g. configs/digits-oneshot.toml")
+    parser.add_argument("--run-config", default="", help='overrides, e.g. "local-epochs=5 alpha=0.2"')
+    parser.add_argument("--results-dir", default="results", help="where results/<run-name>/ goes (default: ./results)")
+    parser.add_argument("--run-name", default=None, help="default: main-<timestamp>")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--keep-workdir", action="store_true", help="keep FLWR_HOME and process logs")
+    args = parser.parse_args(argv)
+
+    from flwr.common.config import parse_config_args
+
+    overrides: dict[str, Any] = dict(parse_config_args([args.run_config])) if args.run_config else {}
+    k = args.num_supernodes or int(overrides.get("num-partitions", 0)) or _num_partitions(args.app, args.run_config_file)
+    run_name = args.run_name or f"main-{time.strftime('%Y%m%d-%H%M%S')}"
+    results_dir = Path(args.results_dir).resolve()
+    overrides.update({"results-dir": str(results_dir), "run-name": run_name})
+    results_path = results_dir / run_name / "results.json"
+
+    fed = LocalFederation(mode=args.mode, num_supernodes=k)
+    try:
+        fed.start()
+        print(f"[fedfiot] {args.mode} federation: SuperLink 127.0.0.1:{fed.port}, PIDs {fed.pids()}, "
+              f"FLWR_HOME {fed.flwr_home}", flush=True)
+        proc = fed.flwr_run(args.app, overrides, args.run_config_file, timeout=args.timeout)
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+        # The stream ends with the run; a results file still marked "running" means the ServerApp died.
+        data = wait_for_results(results_path, timeout=10.0) if results_path.exists() else {}
+    except (TimeoutError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"[fedfiot] run failed: {exc}", file=sys.stderr)
+        data = {}
+    finally:
+        if args.keep_workdir:
+            fed.stop()
+            print(f"[fedfiot] logs kept in {fed.workdir}")
+        else:
+            if not (results_path.exists() and json.loads(results_path.read_text()).get("status") == "finished"):
+                _dump_logs(fed)
+            fed.cleanup()
+    if data.get("status") != "finished":
+        print(f"[fedfiot] FAILED: {data.get('error') or 'no results file at ' + str(results_path)}", file=sys.stderr)
+        return 1
+    final = data.get("final", {})
+    ours = (final.get("test") or {}).get("accuracy")
+    base = (final.get("fedavg_test") or {}).get("accuracy")
+    fmt = lambda x: "n/a" if x is None else f"{100 * x:.2f}%"  # noqa: E731
+    print(f"[fedfiot] final test accuracy: FedFiOT {fmt(ours)} | FedAvg on the same uploads {fmt(base)}")
+    print(f"[fedfiot] results: {results_path}")
+    return 0
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    return dict(tomllib.loads(path.read_text(encoding="utf-8")))
+
+
+def _num_partitions(app: str, run_config_file: str | None) -> int:
+    if run_config_file:
+        cfg = _load_toml(Path(run_config_file))
+        if "num-partitions" in cfg:
+            return int(cfg["num-partitions"])
+    py = _load_toml(Path(app) / "pyproject.toml")
+    return int(py["tool"]["flwr"]["app"]["config"].get("num-partitions", 2))
+
+
+def _dump_logs(fed: LocalFederation, tail: int = 60) -> None:
+    for role in fed.processes:
+        path = fed.log_path(role)
+        if path.exists():
+            lines = path.read_text(errors="replace").splitlines()[-tail:]
+            print(f"----- {role} log (last {len(lines)} lines) -----", file=sys.stderr)
+            print("\n".join(lines), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,298 @@
+"""One round of server-side merging, with the paper's validation-based selection.
+
+Given the valid uploads of a round, :func:`merge_round` merges them once (no validation
+function) or once per candidate of a :class:`SweepGrid` of ``(rho, lam, reference, Fisher
+scaling)`` and keeps the candidate with the best validation score. Tempering, damping and the
+reference are server-side choices, so the sweep costs no communication: every candidate merges
+the same uploads. Framework-neutral: no Flower import.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge
+from .strategy_utils import CollectedUploads
+
+logger = logging.getLogger("fedfiot_flwr")
+
+REFERENCES = ("largest", "broadcast")
+FALLBACKS = ("objective", "validation", "none")
+
+Model = dict[str, np.ndarray]
+ValidateFn = Callable[[Model], Mapping[str, float] | None]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One server-side merge configuration.
+
+    Attributes
+    ----------
+    rho : float
+        Fisher tempering exponent in (0, 1].
+    lam : float
+        Damping added after tempering (> 0).
+    reference : str or int
+        ``"largest"`` (the client with most examples), ``"broadcast"`` (the model the server sent
+        this round) or a client index in reply order.
+    fisher_scaling : str
+        Per-client Fisher scaling of the merge engine (:data:`fedfiot_flwr.merge.FISHER_SCALINGS`):
+        ``"none"`` (the paper's per-example mean Fisher), ``"size"`` (times ``n_k / n``,
+        FedFisher's scaling), ``"normalized"``, ``"normalized-size"``.
+    """
+
+    rho: float
+    lam: float
+    reference: str | int = "largest"
+    fisher_scaling: str = "none"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.reference, int) or self.reference in REFERENCES):
+            raise ValueError(f"reference must be a client index or one of {REFERENCES}, got {self.reference!r}")
+        if self.fisher_scaling not in FISHER_SCALINGS:
+            raise ValueError(f"fisher_scaling must be one of {FISHER_SCALINGS}, got {self.fisher_scaling!r}")
+        if not (0 < self.rho <= 1):
+            raise ValueError(f"rho must lie in (0, 1], got {self.rho!r}")
+        if not self.lam > 0:
+            raise ValueError(f"lam must be > 0, got {self.lam!r}")
+
+    def label(self) -> str:
+        """Short human-readable name, e.g. ``rho=0.5,lam=1e-04,ref=largest,scale=none``."""
+        return f"rho={self.rho:g},lam={self.lam:.0e},ref={self.reference},scale={self.fisher_scaling}"
+
+
+@dataclass(frozen=True)
+class SweepGrid:
+    """The grid of candidates the server tries each round (the paper's Appendix C.2 grid).
+
+    Attributes
+    ----------
+    rhos, lams : tuple of float
+        Tempering exponents and dampings.
+    references : tuple of str
+        ``"largest"`` and/or ``"broadcast"``; ``"broadcast"`` is skipped in round 1, where the
+        broadcast model is the random initialisation and encodes nothing to match against.
+    fisher_scalings : tuple of str
+        Any of :data:`fedfiot_flwr.merge.FISHER_SCALINGS`.
+    """
+
+    rhos: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+    lams: tuple[float, ...] = (1e-3, 1e-4, 1e-5)
+    references: tuple[str, ...] = ("largest", "broadcast")
+    fisher_scalings: tuple[str, ...] = ("none",)
+
+    def candidates(self, default: Candidate | None = None, server_round: int = 1) -> list[Candidate]:
+        """All candidates of the grid for ``server_round``, ``default`` first (it wins ties).
+
+        Parameters
+        ----------
+        default : Candidate, optional
+            The strategy's own configuration; tried first so that ties keep it.
+        server_round : int
+            Current round (1-based); round 1 drops ``reference="broadcast"``.
+
+        Returns
+        -------
+        list[Candidate]
+            Distinct candidates in a fixed order.
+        """
+        out: list[Candidate] = []
+        refs = [r for r in self.references if not (r == "broadcast" and server_round <= 1)]
+        if default is not None and not (default.reference == "broadcast" and server_round <= 1):
+            out.append(default)
+        for ref in refs:
+            for scaling in self.fisher_scalings:
+                for rho in self.rhos:
+                    for lam in self.lams:
+                        c = Candidate(float(rho), float(lam), ref, scaling)
+                        if c not in out:
+                            out.append(c)
+        if not out:
+            raise ValueError(f"the sweep grid has no candidate for round {server_round} (references={self.references})")
+        return out
+
+
+@dataclass
+class MergeOutcome:
+    """What :func:`merge_round` chose, and everything it tried.
+
+    Attributes
+    ----------
+    model : dict[str, np.ndarray]
+        The new global model.
+    candidate : Candidate
+        The chosen configuration.
+    variant : str
+        ``"aligned"`` or ``"identity"``: which of the candidate's two merges was kept.
+    result : MergeResult
+        The chosen candidate's merge (objectives, permutations, reports).
+    validation : dict[str, float] or None
+        Validation metrics of ``model`` (None without a validation function).
+    trials : list[dict]
+        One entry per (candidate, variant) tried: configuration, objectives, validation metrics.
+    baseline_model : dict[str, np.ndarray] or None
+        FedAvg of the same uploads (``matching="none"``, ``aggregation="size"``).
+    baseline_validation : dict[str, float] or None
+        Validation metrics of the FedAvg baseline.
+    seconds : float
+        Wall time of the whole selection (all merges and validations).
+    """
+
+    model: Model
+    candidate: Candidate
+    variant: str
+    result: MergeResult
+    validation: dict[str, float] | None
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    baseline_model: Model | None = None
+    baseline_validation: dict[str, float] | None = None
+    seconds: float = 0.0
+
+
+def _better(new: float, best: float, metric: str) -> bool:
+    if math.isnan(new):
+        return False
+    if math.isnan(best):
+        return True
+    return new < best if "loss" in metric else new > best
+
+
+def _score(metrics: Mapping[str, float] | None, metric: str) -> float:
+    if metrics is None or metric not in metrics:
+        return math.nan
+    return float(metrics[metric])
+
+
+def merge_round(
+    uploads: CollectedUploads,
+    spec: PermutationSpec,
+    default: Candidate,
+    *,
+    max_iters: int = 8,
+    matching: str = "fisher",
+    aggregation: str = "fisher",
+    fallback: str = "objective",
+    buffers: Sequence[str] = (),
+    broadcast: Model | None = None,
+    server_round: int = 1,
+    sweep: SweepGrid | None = None,
+    validate: ValidateFn | None = None,
+    metric: str = "accuracy",
+    baseline: bool = True,
+) -> MergeOutcome:
+    """Merge one round's valid uploads, selecting on validation data when possible.
+
+    Parameters
+    ----------
+    uploads : CollectedUploads
+        Valid, dequantized uploads (at least one).
+    spec : PermutationSpec
+        Permutation spec of the model.
+    default : Candidate
+        The configuration used without a sweep (and tried first with one).
+    max_iters, matching, aggregation, buffers
+        Passed to :func:`fedfiot_flwr.merge.merge`.
+    fallback : {"objective", "validation", "none"}
+        ``"objective"``: the paper's rule (identity merge when alignment does not lower the
+        objective). ``"validation"``: keep whichever of the aligned and identity merges scores
+        better on validation (needs ``validate``; otherwise the paper's rule). ``"none"``: always
+        the aligned merge.
+    broadcast : dict, optional
+        The model broadcast this round (needed for ``reference="broadcast"``).
+    server_round : int
+        Current round (1-based).
+    sweep : SweepGrid, optional
+        Candidate grid; used only together with ``validate``.
+    validate : callable, optional
+        ``model dict -> metrics`` on the server's validation set.
+    metric : str
+        Validation metric to select on; maximised unless its name contains ``"loss"``.
+    baseline : bool
+        Also compute (and validate) FedAvg of the same uploads.
+
+    Returns
+    -------
+    MergeOutcome
+    """
+    if len(uploads) == 0:
+        raise ValueError("merge_round needs at least one valid upload")
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if fallback == "validation" and validate is None:
+        logger.warning("FedFiOT: fallback='validation' without a validation function; using the paper's rule")
+        fallback = "objective"
+    start = time.perf_counter()
+    candidates = sweep.candidates(default, server_round) if (sweep is not None and validate is not None) else [default]
+    if default.reference == "broadcast" and server_round <= 1 and candidates == [default]:
+        logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
+        candidates = [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
+
+    best: tuple[float, Candidate, str, MergeResult, Model, dict[str, float] | None] | None = None
+    trials: list[dict[str, Any]] = []
+    for cand in candidates:
+        reference: str | int | Model = cand.reference
+        if cand.reference == "broadcast":
+            if broadcast is None:
+                raise ValueError("reference='broadcast' needs the broadcast model")
+            reference = broadcast
+        res = merge(
+            uploads.weights,
+            uploads.fishers,
+            spec,
+            lam=cand.lam,
+            rho=cand.rho,
+            max_iters=max_iters,
+            reference=reference,
+            num_examples=uploads.num_examples,
+            matching=matching,
+            aggregation=aggregation,
+            buffers=buffers,
+            fallback="none" if fallback == "validation" else fallback,
+            client_ids=uploads.client_ids,
+            fisher_scaling=cand.fisher_scaling,
+        )
+        variants: list[tuple[str, Model]] = [("aligned" if res.aligned else "identity", res.model)]
+        if fallback == "validation" and res.aligned and matching != "none":
+            variants.append(("identity", res.identity_model))
+        for variant, model in variants:
+            val = dict(validate(model) or {}) if validate is not None else None
+            score = _score(val, metric)
+            trials.append(
+                {
+                    **asdict(cand),
+                    "variant": variant,
+                    "objective": float(res.aligned_objective if variant == "aligned" else res.identity_objective),
+                    "identity_objective": float(res.identity_objective),
+                    "paper_rule_aligned": bool(res.aligned_objective < res.identity_objective),
+                    "merge_seconds": float(res.seconds),
+                    "validation": val,
+                }
+            )
+            if best is None or _better(score, best[0], metric):
+                best = (score, cand, variant, res, model, val)
+    assert best is not None
+    _, cand, variant, res, model, val = best
+
+    baseline_model = baseline_val = None
+    if baseline:
+        base = merge(
+            uploads.weights, uploads.fishers, spec, lam=default.lam, rho=default.rho, max_iters=1,
+            reference="largest", num_examples=uploads.num_examples, matching="none", aggregation="size",
+            buffers=buffers, client_ids=uploads.client_ids,
+        )
+        baseline_model = base.model
+        baseline_val = dict(validate(baseline_model) or {}) if validate is not None else None
+    if len(trials) > 1:
+        logger.info("FedFiOT round %s: selected %s (%s) out of %d trials", server_round, cand.label(), variant, len(trials))
+    return MergeOutcome(
+        model=model, candidate=cand, variant=variant, result=res, validation=val, trials=trials,
+        baseline_model=baseline_model, baseline_validation=baseline_val, seconds=time.perf_counter() - start,
+    )

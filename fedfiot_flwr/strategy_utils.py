@@ -1,0 +1,287 @@
+"""Framework-neutral helpers shared by the Message-API strategy and its legacy twin.
+
+Everything here works on plain ``(client id, RecordDict)`` pairs and numpy dicts, so the
+``flwr.serverapp`` strategy (:mod:`fedfiot_flwr.strategy`) and the ``flwr.server`` strategy
+(:mod:`fedfiot_flwr.legacy`) unpack, validate and exclude replies with one code path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import RecordDict
+
+from .merge import PermutationSpec, spec_from_module
+from .merge.validate import check_models
+
+if TYPE_CHECKING:  # torch is only needed when a model is given
+    import torch
+
+logger = logging.getLogger("fedfiot_flwr")
+
+
+@dataclass
+class Rejection:
+    """A reply that was excluded from the merge, and why."""
+
+    client: str
+    reason: str
+
+
+@dataclass
+class CollectedUploads:
+    """The valid uploads of one round, in reply order, plus what was excluded.
+
+    Attributes
+    ----------
+    client_ids : list[str]
+        One id per valid upload (the Flower node id as a string).
+    weights, fishers : list[dict[str, np.ndarray]]
+        Dequantized weights and (parameter-only) Fishers of the valid uploads.
+    num_examples : list[int]
+        Local training-set sizes of the valid uploads.
+    metrics : list[dict[str, Any]]
+        The clients' own training metrics.
+    rejections : list[Rejection]
+        Excluded replies with the reason.
+    bytes_received : int
+        Payload bytes of every reply received (valid or not).
+    bytes_per_client : dict[str, int]
+        Payload bytes per replying client.
+    """
+
+    client_ids: list[str] = field(default_factory=list)
+    weights: list[dict[str, np.ndarray]] = field(default_factory=list)
+    fishers: list[dict[str, np.ndarray]] = field(default_factory=list)
+    num_examples: list[int] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+    bytes_received: int = 0
+    bytes_per_client: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.client_ids)
+
+
+def content_bytes(content: RecordDict) -> int:
+    """Payload bytes of a reply: the serialized size of all its ArrayRecords.
+
+    Parameters
+    ----------
+    content : RecordDict
+        A reply's content.
+
+    Returns
+    -------
+    int
+        Sum of ``len(array.data)`` over every Array of every ArrayRecord.
+    """
+    return int(sum(len(arr.data) for rec in content.array_records.values() for arr in rec.values()))
+
+
+def validate_upload(
+    client: str,
+    weights: Mapping[str, np.ndarray],
+    fisher: Mapping[str, np.ndarray],
+    num_examples: int,
+    expected_shapes: Mapping[str, tuple[int, ...]],
+    buffers: Collection[str],
+) -> None:
+    """Check one dequantized upload against the broadcast model's layout.
+
+    Parameters
+    ----------
+    client : str
+        Client id used in error messages.
+    weights, fisher : mapping of str to np.ndarray
+        The upload's weights (every state_dict entry) and Fisher (parameters only).
+    num_examples : int
+        The upload's training-set size.
+    expected_shapes : mapping of str to tuple of int
+        Names and shapes of the global model (the broadcast arrays).
+    buffers : collection of str
+        State-dict entries without a Fisher (BatchNorm running statistics).
+
+    Raises
+    ------
+    ValueError
+        On missing/extra tensors, wrong shapes, non-finite weights, a missing, NaN, infinite or
+        negative Fisher entry, or a non-positive ``num_examples``; the message names the client
+        and the tensor.
+    """
+    if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples <= 0:
+        raise ValueError(f"client {client!r}: num-examples must be a positive integer, got {num_examples!r}")
+    missing = sorted(set(expected_shapes) - set(weights))
+    extra = sorted(set(weights) - set(expected_shapes))
+    if missing or extra:
+        raise ValueError(f"client {client!r}: weight tensors differ from the global model: missing {missing}, extra {extra}")
+    for name, shape in expected_shapes.items():
+        got = tuple(np.shape(weights[name]))
+        if got != tuple(shape):
+            raise ValueError(f"client {client!r}, tensor {name!r}: shape {got} differs from the global model's {tuple(shape)}")
+    # The merge engine's own validator covers Fisher keys, shapes, NaN/inf and sign.
+    check_models([weights], [fisher], [b for b in buffers if b in weights], [client])
+
+
+def collect_uploads(
+    replies: Iterable[tuple[str, RecordDict]],
+    expected_shapes: Mapping[str, tuple[int, ...]] | None,
+    buffers: Collection[str] = (),
+    errors: Iterable[tuple[str, str]] = (),
+) -> CollectedUploads:
+    """Unpack, dequantize and validate replies; exclude (and log) the broken ones.
+
+    Parameters
+    ----------
+    replies : iterable of (client id, RecordDict)
+        Reply contents with the id of the node that sent them.
+    expected_shapes : mapping of str to tuple of int, optional
+        Names and shapes of the broadcast model; every upload must match them. ``None`` takes
+        them from the first upload that unpacks.
+    buffers : collection of str
+        State-dict entries that carry no Fisher.
+    errors : iterable of (client id, reason)
+        Replies that already failed before unpacking (Flower error replies, undecodable
+        payloads); recorded as rejections with the reason as given.
+
+    Returns
+    -------
+    CollectedUploads
+        Valid uploads in reply order and the rejections with their reasons.
+    """
+    from .client import unpack_reply  # lazy: the client module imports torch
+
+    out = CollectedUploads()
+    for client, reason in errors:
+        out.rejections.append(Rejection(str(client), str(reason)))
+        logger.debug("FedFiOT: excluding client %s: %s", client, reason)
+    for client, content in replies:
+        client = str(client)
+        try:
+            nbytes = content_bytes(content)
+        except Exception:  # noqa: BLE001 - a malformed record must not stop the round
+            nbytes = 0
+        out.bytes_received += nbytes
+        out.bytes_per_client[client] = nbytes
+        try:
+            upload = unpack_reply(
+                content,
+                expected_shapes=None if expected_shapes is None else dict(expected_shapes),
+                client=client,
+                parameters=None if expected_shapes is None else [k for k in expected_shapes if k not in buffers],
+            )
+            if expected_shapes is None:
+                expected_shapes = {k: tuple(np.shape(v)) for k, v in upload.weights.items()}
+            validate_upload(client, upload.weights, upload.fisher, upload.num_examples, expected_shapes, buffers)
+        except (ValueError, KeyError, TypeError) as exc:
+            reason = str(exc) or type(exc).__name__
+            out.rejections.append(Rejection(client, reason))
+            logger.debug("FedFiOT: excluding client %s: %s", client, reason)
+            continue
+        out.client_ids.append(client)
+        out.weights.append({k: np.asarray(v) for k, v in upload.weights.items()})
+        out.fishers.append({k: np.asarray(v) for k, v in upload.fisher.items()})
+        out.num_examples.append(int(upload.num_examples))
+        out.metrics.append(dict(upload.metrics))
+    return out
+
+
+def require_enough(collected: CollectedUploads, min_valid: int, server_round: int) -> None:
+    """Raise a clear error when too few valid replies remain for the merge.
+
+    Raises
+    ------
+    RuntimeError
+        If fewer than ``min_valid`` uploads passed validation; lists every excluded client.
+    """
+    if len(collected) >= max(1, min_valid):
+        return
+    details = "; ".join(f"client {r.client}: {r.reason}" for r in collected.rejections) or "no replies"
+    raise RuntimeError(
+        f"FedFiOT round {server_round}: only {len(collected)} valid replies, at least {max(1, min_valid)} "
+        f"needed (min_valid_replies). Excluded: {details}"
+    )
+
+
+def resolve_spec(
+    spec: PermutationSpec | None, model: torch.nn.Module | None
+) -> tuple[PermutationSpec | None, tuple[str, ...]]:
+    """Return the permutation spec and the buffer names (state_dict entries that are not parameters).
+
+    Parameters
+    ----------
+    spec : PermutationSpec, optional
+        An explicit spec; wins over ``model``.
+    model : torch.nn.Module, optional
+        A model to derive the spec from (:func:`fedfiot_flwr.merge.spec_from_module`) and to read
+        its buffers from.
+
+    Returns
+    -------
+    tuple
+        ``(spec or None, buffer names)``.
+    """
+    buffers: tuple[str, ...] = ()
+    if model is not None:
+        params = {n for n, _ in model.named_parameters()}
+        buffers = tuple(n for n in model.state_dict() if n not in params)
+        if spec is None:
+            spec = spec_from_module(model)
+    return spec, buffers
+
+
+def aggregate_client_metrics(metrics: Sequence[Mapping[str, Any]], weights: Sequence[int]) -> dict[str, float]:
+    """Example-weighted mean of the numeric scalar metrics every client reported.
+
+    Parameters
+    ----------
+    metrics : sequence of mapping
+        One metrics dict per client.
+    weights : sequence of int
+        One weight (number of examples) per client.
+
+    Returns
+    -------
+    dict[str, float]
+        Keys present (and numeric) in every client's metrics, except ``num-examples``.
+    """
+    if not metrics:
+        return {}
+    keys = set.intersection(*(set(m) for m in metrics)) - {"num-examples"}
+    total = float(sum(weights)) or 1.0
+    out: dict[str, float] = {}
+    for key in sorted(keys):
+        values = [m[key] for m in metrics]
+        if all(isinstance(v, (int, float, np.number)) and not isinstance(v, bool) for v in values):
+            out[key] = float(sum(float(v) * w for v, w in zip(values, weights)) / total)
+    return out
+
+
+def parse_float_list(text: str | Sequence[float], name: str) -> tuple[float, ...]:
+    """Parse ``"0.2,0.3"`` (a run-config string) or a sequence into a tuple of floats.
+
+    Raises
+    ------
+    ValueError
+        Naming the config key when an entry is not a number or the list is empty.
+    """
+    items = [s.strip() for s in text.split(",") if s.strip()] if isinstance(text, str) else list(text)
+    try:
+        values = tuple(float(x) for x in items)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from exc
+    if not values:
+        raise ValueError(f"{name}: expected at least one value, got {text!r}")
+    return values
+
+
+def parse_str_list(text: str | Sequence[str], name: str) -> tuple[str, ...]:
+    """Parse ``"largest,broadcast"`` (a run-config string) or a sequence into a tuple of str."""
+    items = [s.strip() for s in text.split(",") if s.strip()] if isinstance(text, str) else [str(x) for x in text]
+    if not items:
+        raise ValueError(f"{name}: expected at least one value, got {text!r}")
+    return tuple(items)

@@ -1,0 +1,161 @@
+"""Shared fixtures for the strategy tests: a tiny MLP, client uploads, reply messages, a fake Grid."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedfiot_flwr.client import pack_reply
+from fedfiot_flwr.merge import mlp_spec
+
+@pytest.fixture(autouse=True)
+def task_identity():  # noqa: ANN201
+    """Messages need the identity of the running task (set by Flower inside a real ServerApp)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES = {"fc1.weight": (6, 4), "fc1.bias": (6,), "fc2.weight": (5, 6), "fc2.bias": (5,), "fc3.weight": (3, 5), "fc3.bias": (3,)}
+SPEC = mlp_spec(["fc1", "fc2", "fc3"], bias=True)
+
+
+def random_model(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A random float32 state dict of the tiny MLP."""
+    return {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def random_fisher(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A random non-negative Fisher of the tiny MLP."""
+    return {k: (rng.random(size=s) ** 2).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def client_uploads(n: int, seed: int = 0) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]]:
+    """``n`` (weights, Fisher, num_examples) triples."""
+    rng = np.random.default_rng(seed)
+    return [(random_model(rng), random_fisher(rng), int(rng.integers(20, 200))) for _ in range(n)]
+
+
+def instruction(node_id: int, arrays: dict[str, np.ndarray] | None = None) -> Message:
+    """A train instruction to ``node_id`` (what configure_train would send)."""
+    arrays = arrays if arrays is not None else {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    content = RecordDict({"arrays": ArrayRecord({k: _arr(v) for k, v in arrays.items()})})
+    return Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+
+
+def _arr(x: np.ndarray):  # noqa: ANN202
+    from flwr.app import Array
+
+    return Array.from_numpy_ndarray(np.ascontiguousarray(x))
+
+
+def reply(node_id: int, content: RecordDict) -> Message:
+    """A reply from ``node_id`` carrying ``content``."""
+    return Message(content=content, reply_to=instruction(node_id))
+
+
+def packed(weights: dict[str, np.ndarray], fisher: dict[str, np.ndarray], n: int) -> RecordDict:
+    """The RecordDict a FedFiOT client sends."""
+    return pack_reply(weights, fisher, n, {"train-loss": 1.0})
+
+
+class FakeGrid(Grid):
+    """An in-process Grid: ``send_and_receive`` runs ``client_fn(node_id, message)`` per message."""
+
+    def __init__(self, node_ids: Iterable[int], client_fn: Callable[[int, Message], Message]) -> None:
+        self.node_ids = list(node_ids)
+        self.client_fn = client_fn
+        self.sent: list[Message] = []
+
+    def set_run(self, run):  # noqa: ANN001, ANN201
+        self._run = run
+
+    @property
+    def run(self):  # noqa: ANN201
+        return getattr(self, "_run", None)
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: ANN001, ANN201
+        return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
+        out = []
+        for msg in messages:
+            self.sent.append(msg)
+            out.append(self.client_fn(msg.metadata.dst_node_id, msg))
+        return out
+
+
+def _replace_array(content: RecordDict, name: str, new) -> RecordDict:  # noqa: ANN001
+    from fedfiot_flwr.client import ARRAYS_RECORD
+
+    content[ARRAYS_RECORD][name] = new
+    return content
+
+
+def corrupt_nan_fisher(content: RecordDict, name: str) -> RecordDict:
+    """Set the Fisher scale of tensor ``name`` to NaN (every Fisher entry becomes NaN)."""
+    import struct
+
+    from flwr.app import Array
+
+    from fedfiot_flwr.client import ARRAYS_RECORD
+
+    arr = content[ARRAYS_RECORD][name]
+    data = arr.data[:4] + struct.pack("<f", float("nan")) + arr.data[8:]
+    return _replace_array(content, name, Array(dtype=arr.dtype, shape=tuple(arr.shape), stype=arr.stype, data=data))
+
+
+def corrupt_missing_fisher(content: RecordDict, name: str) -> RecordDict:
+    """Re-encode tensor ``name`` as weights only (its Fisher is missing)."""
+    from flwr.app import Array
+
+    from fedfiot_flwr.client import ARRAYS_RECORD, STYPE_WEIGHT
+
+    arr = content[ARRAYS_RECORD][name]
+    n = int(np.prod(arr.shape))
+    data = arr.data[:4] + arr.data[8 : 8 + 2 * n]
+    return _replace_array(content, name, Array(dtype=arr.dtype, shape=tuple(arr.shape), stype=STYPE_WEIGHT, data=data))
+
+
+def app_snapshot(root: Path = ROOT) -> dict[str, str]:
+    """Hashes of the files ``flwr run`` could touch: pyproject.toml, the apps, configs/."""
+    paths = [root / "pyproject.toml", root / "server_app.py", root / "client_app.py", *sorted((root / "configs").glob("*"))]
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+
+
+def live_processes(pids: list[int]) -> list[str]:
+    """Non-zombie processes among ``pids`` or in their process groups (each was a group leader)."""
+    alive = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        # /proc/<pid>/stat: pid (comm) state ppid pgrp ...
+        rest = stat[stat.rindex(")") + 2 :].split()
+        state, pgrp = rest[0], int(rest[2])
+        if state != "Z" and (int(proc.name) in pids or pgrp in pids):
+            alive.append(f"{proc.name} {stat[: stat.rindex(')') + 1]}")
+    return alive

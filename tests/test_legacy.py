@@ -1,0 +1,143 @@
+"""The legacy-API twin (``flwr.server.strategy``): ``aggregate_fit`` over ``FitRes`` shares the
+Message-API strategy's unpacking, validation, exclusion and merge."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
+from _fedfiot_helpers import SHAPES, SPEC, client_uploads, packed, reply
+from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+from fedfiot_flwr import FedFiOT, FedFiOTLegacy
+from fedfiot_flwr.client import train_and_pack, unpack_reply
+from fedfiot_flwr.legacy import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
+from fedfiot_flwr.merge import merge
+from fedfiot_flwr.strategy import arrays_to_numpy
+
+NAMES = list(SHAPES)
+
+
+class Proxy:
+    """Stands in for a ClientProxy (aggregate_fit only reads ``cid``)."""
+
+    def __init__(self, cid: str) -> None:
+        self.cid = cid
+
+
+def _fitres(content, n: int = 10) -> FitRes:
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(reply_to_ndarrays(content)), n, {})
+
+
+def _to_dict(params: Parameters) -> dict[str, np.ndarray]:
+    return dict(zip(NAMES, parameters_to_ndarrays(params)))
+
+
+def test_payload_round_trip_keeps_the_reply() -> None:
+    (w, f, n), = client_uploads(1)
+    content = packed(w, f, n)
+    nd = reply_to_ndarrays(content)
+    assert len(nd) == 1 and nd[0].dtype == np.uint8
+    back = unpack_reply(ndarrays_to_reply(nd))
+    ref = unpack_reply(content)
+    assert back.num_examples == ref.num_examples == n
+    for k in SHAPES:
+        np.testing.assert_array_equal(back.weights[k], ref.weights[k])
+        np.testing.assert_array_equal(back.fisher[k], ref.fisher[k])
+    with pytest.raises(ValueError, match="exactly one uint8 array"):
+        ndarrays_to_reply([np.zeros(3, np.float32)], "c9")
+    with pytest.raises(ValueError, match="c9"):
+        ndarrays_to_reply([np.frombuffer(b"\xff\x00garbage", np.uint8)], "c9")
+    assert unpack_reply(fitres_to_reply(_fitres(content), "c1")).num_examples == n
+    with pytest.raises(ValueError, match="c2.*FIT_NOT_IMPLEMENTED"):
+        fitres_to_reply(FitRes(Status(Code.FIT_NOT_IMPLEMENTED, "no"), Parameters([], ""), 0, {}), "c2")
+
+
+def test_aggregate_fit_matches_message_api_and_excludes_broken_fitres(tmp_path) -> None:
+    from _fedfiot_helpers import corrupt_missing_fisher, corrupt_nan_fisher
+
+    uploads = client_uploads(4, seed=7)
+    contents = [packed(w, f, n) for w, f, n in uploads[:3]]
+    w, f, n = uploads[3]
+    wrong = packed({**w, "fc2.weight": np.zeros((5, 7), np.float32)}, {**f, "fc2.weight": np.zeros((5, 7), np.float32)}, n)
+    results = [
+        (Proxy("a"), _fitres(contents[0])),
+        (Proxy("nan"), _fitres(corrupt_nan_fisher(packed(w, f, n), "fc1.weight"))),
+        (Proxy("b"), _fitres(contents[1])),
+        (Proxy("shape"), _fitres(wrong)),
+        (Proxy("nofisher"), _fitres(corrupt_missing_fisher(packed(w, f, n), "fc2.bias"))),
+        (Proxy("garbage"), FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.arange(4.0)]), 5, {})),
+        (Proxy("c"), _fitres(contents[2])),
+    ]
+    failures = [RuntimeError("connection lost"),
+                (Proxy("status"), FitRes(Status(Code.FIT_NOT_IMPLEMENTED, "nope"), Parameters([], ""), 0, {}))]
+    broadcast = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    legacy = FedFiOTLegacy(spec=SPEC, names=NAMES, baseline=False, results_path=tmp_path / "r.json", num_rounds=1,
+                           checkpoint_dir=tmp_path / "ckpt")
+    legacy._broadcast = broadcast
+    params, metrics = legacy.aggregate_fit(1, results, failures)
+    got = _to_dict(params)
+
+    ups = [unpack_reply(c) for c in contents]
+    expected = merge([u.weights for u in ups], [u.fisher for u in ups], SPEC, num_examples=[u.num_examples for u in ups])
+    for k in SHAPES:
+        np.testing.assert_allclose(got[k], expected.model[k], rtol=1e-6, atol=1e-7)
+
+    # same answer as the Message-API strategy on the same contents
+    message_api = FedFiOT(spec=SPEC, baseline=False)
+    arrays, _ = message_api.aggregate_train(1, [reply(i + 1, c) for i, c in enumerate(contents)])
+    for k, v in arrays_to_numpy(arrays).items():
+        np.testing.assert_array_equal(got[k], v)
+
+    assert metrics["num-valid"] == 3 and metrics["num-rejected"] == 6
+    assert all(not isinstance(v, list) for v in metrics.values())  # legacy metrics are scalars
+    data = json.loads((tmp_path / "r.json").read_text())
+    reasons = {r["client"]: r["reason"] for r in data["rounds"][0]["rejected"]}
+    assert {"nan", "shape", "nofisher", "garbage", "status", "?"} <= set(reasons)
+    assert "fc1.weight" in reasons["nan"] and "fc2.weight" in reasons["shape"] and "fc2.bias" in reasons["nofisher"]
+    assert "connection lost" in reasons["?"] and "nope" in reasons["status"]
+    assert data["status"] == "finished" and (tmp_path / "ckpt" / "final.pt").exists()
+
+
+def test_legacy_twin_on_a_tiny_torch_model_with_selection() -> None:
+    torch.manual_seed(0)
+
+    def make() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+    global_model = make()
+    names = list(global_model.state_dict())
+    x = torch.randn(48, 4)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    results = []
+    for k in range(3):
+        model = make()
+        model.load_state_dict(global_model.state_dict())
+        part = slice(16 * k, 16 * (k + 1))
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[part], y[part]), batch_size=8)
+        content = train_and_pack(model, loader, 2, device="cpu")
+        results.append((Proxy(f"n{k}"), _fitres(content, 16)))
+
+    calls = []
+
+    def validate_fn(server_round, ndarrays, config):
+        assert [a.shape for a in ndarrays] == [t.shape for t in global_model.state_dict().values()]
+        m = make()
+        m.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in zip(names, ndarrays)})
+        with torch.no_grad():
+            logits = m(x)
+        acc = float((logits.argmax(1) == y).float().mean())
+        calls.append(acc)
+        return float(torch.nn.functional.cross_entropy(logits, y)), {"accuracy": acc}
+
+    legacy = FedFiOTLegacy(model=global_model, validate_fn=validate_fn, sweep=True, min_fit_clients=3)
+    init = ndarrays_to_parameters([v.numpy() for v in global_model.state_dict().values()])
+    legacy.initial_parameters = init
+    params, metrics = legacy.aggregate_fit(1, results, [])
+    assert len(parameters_to_ndarrays(params)) == len(names)
+    assert metrics["num-trials"] == 18  # the paper's 6 x 3 grid, "broadcast" skipped in round 1
+    assert metrics["val-accuracy"] == pytest.approx(max(calls[:18]))
+    assert "fedavg-val-accuracy" in metrics and isinstance(metrics["fraction-permuted"], str)
