@@ -68,3 +68,15 @@ def test_fedavg_configuration_weights_by_size():
                 matching="none", aggregation="size")
     np.testing.assert_allclose(res.model["w"].ravel(), [2.5, 3.5, 7.5])
     assert res.aligned is False
+
+
+def test_uniform_aggregation_ignores_sizes_and_buffers_follow_sizes():
+    spec = PermutationSpec({"w": ("P0", None), "rm": ("P0",)})
+    models = [dict(MODELS[0], rm=np.array([1.0, 2.0, 3.0])), dict(MODELS[1], rm=np.array([5.0, 6.0, 7.0]))]
+    res = merge(models, FISHERS, spec, lam=1.0, rho=1.0, reference=0, num_examples=[3, 1],
+                matching="none", aggregation="uniform", buffers=["rm"])
+    np.testing.assert_allclose(res.model["w"].ravel(), [5.0, 3.0, 7.0])
+    np.testing.assert_allclose(res.model["rm"], [2.0, 3.0, 4.0])  # buffers: weighted 3:1 by size
+    res = merge(models, FISHERS, spec, lam=1.0, rho=1.0, reference=0, num_examples=[3, 1], buffers=["rm"])
+    # the running stats moved with client 2's aligned channels (2, 3, 1)
+    np.testing.assert_allclose(res.model["rm"], [(3 * 1 + 6) / 4, (3 * 2 + 7) / 4, (3 * 3 + 5) / 4])

@@ -180,14 +180,9 @@ def _layer_objective(w: np.ndarray, layers: Sequence[np.ndarray], fishers: Seque
     return sum(weighted_sq_distance(w, x, f) for x, f in zip(layers, fishers))
 
 
-def _aggregate_rule(
-    aggregation: str, layers: Sequence[np.ndarray], fishers: Sequence[np.ndarray] | None, sizes: Sequence[float] | None
-) -> np.ndarray:
-    if aggregation == "fisher" and fishers is not None:
-        return aggregate(layers, fishers)
-    if aggregation == "size" or (fishers is None and sizes is not None):
-        return aggregate(layers, None, sizes)
-    return aggregate(layers, None, None)
+def _scalar_average(aggregation: str, layers: Sequence[np.ndarray], sizes: Sequence[float] | None) -> np.ndarray:
+    """Uniform or size-weighted average (the rules without a Fisher)."""
+    return aggregate(layers, None, sizes if aggregation == "size" else None)
 
 
 def _align_permutation(
@@ -242,12 +237,31 @@ def _align_permutation(
         current = new
         aligned_layers = [x[p] for x, p in zip(layers, new)]
         aligned_fishers = [f[p] for f, p in zip(damped, new)]
-        w = _aggregate_rule(aggregation, aligned_layers, aligned_fishers, sizes)
-        report.objectives.append(_layer_objective(w, aligned_layers, aligned_fishers))
+        num, den, const = _moments(aligned_layers, aligned_fishers)
+        w = num / den if aggregation == "fisher" else _scalar_average(aggregation, aligned_layers, sizes)
+        report.objectives.append(_objective_from_moments(w, num, den, const))
         if matching == "none":
             break
     report.fraction_permuted = [float(np.mean(p != identity)) for p in current]
     return current, report
+
+
+def _moments(xs: Sequence[np.ndarray], fs: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, float]:
+    """``sum_k f_k x_k``, ``sum_k f_k`` and the alignment-invariant constant ``sum_k sum f_k x_k**2``."""
+    num = np.zeros_like(xs[0])
+    den = np.zeros_like(xs[0])
+    const = 0.0
+    for x, f in zip(xs, fs):
+        fx = f * x
+        num += fx
+        den += f
+        const += float(np.vdot(fx, x))
+    return num, den, const
+
+
+def _objective_from_moments(value: np.ndarray, num: np.ndarray, den: np.ndarray, const: float) -> float:
+    """``sum_k sum f_k (value - x_k)**2`` expanded: one pass instead of K."""
+    return max(0.0, const + float(np.vdot(den * value - 2.0 * num, value)))
 
 
 def _merge_all(
@@ -267,10 +281,11 @@ def _merge_all(
         xs = [permute_tensor(mk[name], axes, pk) for mk, pk in zip(models, perms)]
         if name in fishers[0]:
             fs = [permute_tensor(fk[name], axes, pk) for fk, pk in zip(fishers, perms)]
-            value = _aggregate_rule(aggregation, xs, fs, sizes)
-            objective += _layer_objective(value, xs, fs)
+            num, den, const = _moments(xs, fs)
+            value = num / den if aggregation == "fisher" else _scalar_average(aggregation, xs, sizes)
+            objective += _objective_from_moments(value, num, den, const)
         else:
-            value = _aggregate_rule("size" if sizes is not None else "uniform", xs, None, sizes)
+            value = _scalar_average("size", xs, sizes)  # buffers: by size (uniform when unknown)
         if np.issubdtype(dtypes[name], np.integer):
             value = np.rint(value)
         merged[name] = value.astype(dtypes[name] if np.issubdtype(dtypes[name], np.number) else np.float64)
