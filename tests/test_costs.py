@@ -28,3 +28,20 @@ def test_assign_recovers_a_hidden_permutation():
     wk = np.empty_like(w)
     wk[p] = w  # client neuron p[i] holds global neuron i
     assert assign(euclidean_cost_matrix(w, wk)).tolist() == p.tolist()
+
+
+def test_stacked_cost_matrices_equal_per_client_ones_in_any_grouping():
+    from fedfiot_flwr.merge.costs import euclidean_cost_matrices, fisher_cost_matrices
+
+    rng = np.random.default_rng(3)
+    m, d, k = 6, 5, 5
+    w = rng.normal(size=(m, d))
+    layers = [rng.normal(size=(m, d)) for _ in range(k)]
+    fishers = [rng.exponential(size=(m, d)) for _ in range(k)]
+    for max_bytes in (1, 8 * m * m * 2, 2**28):  # one client per GEMM, pairs, all at once
+        stacked = list(fisher_cost_matrices(w, layers, fishers, max_bytes=max_bytes))
+        for c, x, f in zip(stacked, layers, fishers):
+            np.testing.assert_allclose(c, fisher_cost_matrix(w, x, f), rtol=1e-10, atol=1e-10)
+        stacked = list(euclidean_cost_matrices(w, layers, max_bytes=max_bytes))
+        for c, x in zip(stacked, layers):
+            np.testing.assert_allclose(c, euclidean_cost_matrix(w, x), rtol=1e-10, atol=1e-10)

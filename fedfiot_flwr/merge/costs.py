@@ -57,6 +57,21 @@ def euclidean_cost_matrix(w: np.ndarray, w_k: np.ndarray) -> np.ndarray:
     return np.einsum("ic,ic->i", w, w)[:, None] - 2.0 * (w @ w_k.T) + np.einsum("jc,jc->j", w_k, w_k)[None, :]
 
 
+def euclidean_cost_matrices(
+    w: np.ndarray, layers: Sequence[np.ndarray], max_bytes: int = 2**28
+) -> Iterator[np.ndarray]:
+    """:func:`euclidean_cost_matrix` for several clients, stacked into few GEMMs (see
+    :func:`fisher_cost_matrices`)."""
+    m = w.shape[0]
+    row_norms = np.einsum("ic,ic->i", w, w)[:, None]
+    group = max(1, max_bytes // (8 * m * m))
+    for first in range(0, len(layers), group):
+        chunk = layers[first:first + group]
+        product = w @ np.concatenate(chunk, axis=0).T
+        for k, x in enumerate(chunk):
+            yield row_norms - 2.0 * product[:, k * m:(k + 1) * m] + np.einsum("jc,jc->j", x, x)[None, :]
+
+
 def assign(cost: np.ndarray) -> np.ndarray:
     """Exact minimum-cost assignment; returns ``p`` with global neuron ``i`` <- client neuron ``p[i]``.
 
@@ -99,9 +114,3 @@ def aggregate(
     for x, c in zip(layers, cw):
         out += c * x
     return out
-
-
-def weighted_sq_distance(w: np.ndarray, w_k: np.ndarray, f_k: np.ndarray) -> float:
-    """``sum f_k * (w - w_k)**2`` over all entries: one client's term of the objective J."""
-    diff = (w - w_k).ravel()
-    return float(np.dot(f_k.ravel() * diff, diff))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costs import aggregate, assign, euclidean_cost_matrix, fisher_cost_matrices, weighted_sq_distance
+from .costs import aggregate, assign, euclidean_cost_matrices, fisher_cost_matrices
 from .spec import PermutationSpec, permute_tensor
 from .validate import check_models, check_num_examples, check_options, check_reference_model
 
@@ -176,10 +176,6 @@ def _layer_matrix(tensors: Sequence[np.ndarray], m: int) -> np.ndarray:
     return np.concatenate([t.reshape(m, -1) for t in tensors], axis=1)
 
 
-def _layer_objective(w: np.ndarray, layers: Sequence[np.ndarray], fishers: Sequence[np.ndarray]) -> float:
-    return sum(weighted_sq_distance(w, x, f) for x, f in zip(layers, fishers))
-
-
 def _scalar_average(aggregation: str, layers: Sequence[np.ndarray], sizes: Sequence[float] | None) -> np.ndarray:
     """Uniform or size-weighted average (the rules without a Fisher)."""
     return aggregate(layers, None, sizes if aggregation == "size" else None)
@@ -221,27 +217,27 @@ def _align_permutation(
                 diagonal += float(np.trace(cost))
             if s == 1:  # J(w[0], I): the identity alignments' costs
                 report.initial_objective = diagonal
-            report.alignment_objectives.append(chosen)
         else:
-            new = [identity] * len(models) if matching == "none" else [
-                assign(euclidean_cost_matrix(w, x)) for x in layers
-            ]
-            report.alignment_objectives.append(
-                _layer_objective(w, [x[p] for x, p in zip(layers, new)], [f[p] for f, p in zip(damped, new)])
-            )
-        if s == 1 and matching != "fisher":
-            report.initial_objective = _layer_objective(w, layers, damped)
-        if s > 1 and all(np.array_equal(a, b) for a, b in zip(new, current)):
-            report.objectives.append(report.alignment_objectives[-1])
+            if s == 1:
+                report.initial_objective = _objective_from_moments(w, *_moments(layers, damped))
+            new = [assign(cost) for cost in euclidean_cost_matrices(w, layers)]
+        unchanged = s > 1 and all(np.array_equal(a, b) for a, b in zip(new, current))
+        if matching != "fisher" and unchanged:
+            chosen = report.objectives[-1]
+        if unchanged:
+            report.alignment_objectives.append(chosen)
+            report.objectives.append(chosen)
             break
         current = new
         aligned_layers = [x[p] for x, p in zip(layers, new)]
         aligned_fishers = [f[p] for f, p in zip(damped, new)]
         num, den, const = _moments(aligned_layers, aligned_fishers)
+        if matching != "fisher":
+            report.alignment_objectives.append(_objective_from_moments(w, num, den, const))
+        else:
+            report.alignment_objectives.append(chosen)
         w = num / den if aggregation == "fisher" else _scalar_average(aggregation, aligned_layers, sizes)
         report.objectives.append(_objective_from_moments(w, num, den, const))
-        if matching == "none":
-            break
     report.fraction_permuted = [float(np.mean(p != identity)) for p in current]
     return current, report
 
@@ -386,6 +382,10 @@ def merge(
     perms: list[dict[str, np.ndarray]] = [{} for _ in models]
     reports: dict[str, PermutationReport] = {}
     for perm in spec.perm_names:
+        if matching == "none":  # no alignment: identity everywhere, nothing to iterate
+            reports[perm] = PermutationReport(sizes_per_perm[perm], 0, float("nan"),
+                                              fraction_permuted=[0.0] * len(models))
+            continue
         names = [n for n in spec.neuron_tensors(perm) if n in fs[0]]
         m = sizes_per_perm[perm]
         if ref_index is None:
@@ -400,6 +400,8 @@ def merge(
         )
         for pk, p in zip(perms, found):
             pk[perm] = p
+    if matching == "none":
+        perms = [{p: np.arange(sizes_per_perm[p]) for p in spec.perm_names} for _ in models]
 
     identity_perms: list[dict[str, np.ndarray]] = [{} for _ in models]
     identity_model, identity_objective = _merge_all(xs, fs, spec, identity_perms, aggregation, sizes, dtypes)
