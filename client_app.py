@@ -18,8 +18,14 @@ from fedfiot_flwr.task import evaluate
 app = ClientApp()
 
 
-def _partition(context: Context, cfg: AppConfig) -> int:
-    """This node's partition id (``--node-config "partition-id=..."``; set by the simulation engine)."""
+def _partition(context: Context, cfg: AppConfig) -> tuple[AppConfig, int]:
+    """This node's partition id, and ``cfg`` with K resolved from the node config.
+
+    Flower's simulation engine sets ``partition-id`` and ``num-partitions`` in every node
+    config; a real SuperNode gets them from ``--node-config "partition-id=<i> num-partitions=<K>"``.
+    With the run config's ``num-partitions = 0`` the node config's K is used; an explicit K > 0
+    must equal it.
+    """
     node_config = context.node_config
     if "partition-id" not in node_config:
         raise ValueError(
@@ -27,20 +33,29 @@ def _partition(context: Context, cfg: AppConfig) -> int:
             '--node-config "partition-id=<i> num-partitions=<K>"'
         )
     pid = int(node_config["partition-id"])
-    k = int(node_config.get("num-partitions", cfg.num_partitions))
-    if k != cfg.num_partitions or not 0 <= pid < k:
+    if "num-partitions" in node_config:
+        k = int(node_config["num-partitions"])
+    elif cfg.num_partitions > 0:
+        k = cfg.num_partitions
+    else:
+        raise ValueError(
+            f"node config of partition-id={pid} lacks 'num-partitions' and the run config has "
+            "num-partitions = 0 (follow the federation): start the SuperNode with "
+            '--node-config "partition-id=<i> num-partitions=<K>" or set num-partitions in the run config'
+        )
+    if cfg.num_partitions not in (0, k) or not 0 <= pid < k:
         raise ValueError(
             f"node config partition-id={pid}, num-partitions={k} does not fit the run config's "
-            f"num-partitions={cfg.num_partitions} (simulation: use num-supernodes={cfg.num_partitions})"
+            f"num-partitions={cfg.num_partitions} (simulation: use num-supernodes={cfg.num_partitions}, "
+            "or num-partitions=0 to follow the federation)"
         )
-    return pid
+    return cfg.with_partitions(k), pid
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train on this node's partition from the broadcast model and reply with weights + Fisher."""
-    cfg = AppConfig.from_run_config(context.run_config)
-    pid = _partition(context, cfg)
+    cfg, pid = _partition(context, AppConfig.from_run_config(context.run_config))
     split = cfg.split()
     config = msg.content["config"]
     server_round = int(config["server-round"])
@@ -67,8 +82,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate_local(msg: Message, context: Context) -> Message:
     """Evaluate the broadcast model on this node's (unaugmented) partition."""
-    cfg = AppConfig.from_run_config(context.run_config)
-    pid = _partition(context, cfg)
+    cfg, pid = _partition(context, AppConfig.from_run_config(context.run_config))
     split = cfg.split()
     model = cfg.build_model(split)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())

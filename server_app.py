@@ -43,10 +43,66 @@ def _wait_for_nodes(grid: Grid, needed: int, timeout_s: float) -> int:
     return n
 
 
+def _wait_for_federation(grid: Grid, timeout_s: float, settle_s: float, poll_s: float = 0.5) -> int:
+    """Wait for the first SuperNode, then until the connected set is stable; return its size.
+
+    The set of node ids must stay unchanged for ``settle_s`` seconds (the simulation engine
+    registers all its SuperNodes at once; real SuperNodes may connect one by one). Returns 0
+    if no SuperNode connected within ``timeout_s``; a set that keeps changing is taken as it is
+    ``timeout_s + settle_s`` seconds after the start.
+    """
+    start = time.monotonic()
+    seen = set(grid.get_node_ids())
+    while not seen and time.monotonic() - start < timeout_s:
+        time.sleep(poll_s)
+        seen = set(grid.get_node_ids())
+    if not seen:
+        return 0
+    stable_since = time.monotonic()
+    while time.monotonic() - stable_since < settle_s and time.monotonic() - start < timeout_s + settle_s:
+        time.sleep(min(poll_s, settle_s))
+        now = set(grid.get_node_ids())
+        if now != seen:
+            seen, stable_since = now, time.monotonic()
+    return len(seen)
+
+
+def _resolve_federation(grid: Grid, cfg: AppConfig) -> AppConfig:
+    """``cfg`` once its SuperNodes are connected, with K = their number if ``num-partitions = 0``.
+
+    Raises
+    ------
+    RuntimeError
+        If no SuperNode (``num-partitions = 0``) or fewer than the fixed K connected within
+        ``node-wait-s``; the run's results file is marked failed with the same message.
+    """
+    if cfg.num_partitions == 0:
+        connected = _wait_for_federation(grid, cfg.node_wait_s, cfg.node_settle_s)
+        if connected > 0:
+            log(INFO, "num-partitions = 0: K = %d, the number of connected SuperNodes", connected)
+            return cfg.with_partitions(connected)
+        msg = (
+            f"no SuperNode connected after {cfg.node_wait_s:.0f}s (num-partitions = 0: K = the number of "
+            'connected SuperNodes); start SuperNodes with --node-config "partition-id=<i> num-partitions=<K>"'
+        )
+    else:
+        connected = _wait_for_nodes(grid, cfg.num_partitions, cfg.node_wait_s)
+        if connected >= cfg.num_partitions:
+            return cfg
+        msg = (
+            f"only {connected} SuperNodes connected after {cfg.node_wait_s:.0f}s but num-partitions = "
+            f"{cfg.num_partitions}: start one SuperNode per partition (simulation: "
+            f'flwr run . --federation-config "num-supernodes={cfg.num_partitions}"), or set '
+            "num-partitions=0 to use every SuperNode that connects"
+        )
+    ResultsFile(cfg.run_dir().resolve() / "results.json", {"app": cfg.as_dict()}).finish(error=msg)
+    raise RuntimeError(msg)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Build the data split, the model and the FedFiOT strategy, run it, and report FedFiOT vs FedAvg."""
-    cfg = AppConfig.from_run_config(context.run_config)
+    cfg = _resolve_federation(grid, AppConfig.from_run_config(context.run_config))
     run_dir = cfg.run_dir().resolve()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     split = cfg.split()
@@ -68,7 +124,8 @@ def main(grid: Grid, context: Context) -> None:
         matching=cfg.matching,
         aggregation=cfg.aggregation,
         fisher_scaling=cfg.fisher_scaling,
-        fallback=cfg.fallback,
+        fallback=cfg.fallback or None,
+        preset=cfg.preset or None,
         validate_fn=validate_fn,
         sweep=cfg.sweep_grid() if cfg.sweep else None,
         fraction_train=cfg.fraction_train,
@@ -81,16 +138,6 @@ def main(grid: Grid, context: Context) -> None:
         run_info={"app": cfg.as_dict(), "run_dir": str(run_dir)},
     )
     log(INFO, "FedFiOT app: %s; results in %s", json.dumps(cfg.as_dict()), run_dir)
-
-    connected = _wait_for_nodes(grid, cfg.num_partitions, cfg.node_wait_s)
-    if connected < cfg.num_partitions:
-        msg = (
-            f"only {connected} SuperNodes connected after {cfg.node_wait_s:.0f}s but num-partitions = "
-            f"{cfg.num_partitions}: start one SuperNode per partition (simulation: "
-            f"flwr run . --federation-config \"num-supernodes={cfg.num_partitions}\")"
-        )
-        ResultsFile(run_dir / "results.json", {"app": cfg.as_dict()}).finish(error=msg)
-        raise RuntimeError(msg)
 
     train_config = ConfigRecord(
         {
@@ -111,12 +158,14 @@ def main(grid: Grid, context: Context) -> None:
     final = strategy.results.data["final"]
     ours = (final.get("test") or {}).get("accuracy")
     base = (final.get("fedavg_test") or {}).get("accuracy")
+    own = (final.get("own_test") or {}).get("accuracy")
     log(
         INFO,
-        "FINAL test accuracy after %d round(s): FedFiOT %s | FedAvg on the same uploads %s | results: %s",
+        "FINAL test accuracy after %d round(s): FedFiOT %s | FedAvg on the same uploads %s%s | results: %s",
         cfg.num_server_rounds,
         "n/a" if ours is None else f"{100 * ours:.2f}%",
         "n/a" if base is None else f"{100 * base:.2f}%",
+        "" if own is None else f" (FedAvg won the validation choice; FedFiOT's own merge: {100 * own:.2f}%)",
         run_dir / "results.json",
     )
     del result

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .selection import FALLBACKS, FISHER_SCALINGS, REFERENCES, SweepGrid
+from .selection import FALLBACKS, FISHER_SCALINGS, PRESETS, REFERENCES, SweepGrid
 from .strategy_utils import parse_float_list, parse_str_list
 
 if TYPE_CHECKING:
@@ -37,14 +37,20 @@ class AppConfig:
         directory (empty: the data layer's default) and model (``mlp``, ``lenet``, ``fednet``).
     num_partitions, alpha, partition_seed, validation_size, augment
         Federated split: K clients, Dirichlet alpha, partition seed, server validation examples,
-        crop+flip augmentation of 32x32 RGB training data.
+        crop+flip augmentation of 32x32 RGB training data. ``num_partitions = 0`` (the default)
+        means "follow the federation": each ClientApp takes K from its node config
+        (``num-partitions``, set by Flower's simulation engine or ``flower-supernode
+        --node-config``) and the ServerApp uses every SuperNode that connected (see
+        :meth:`with_partitions`); K > 0 fixes K, and the federation must match it.
     local_epochs, batch_size, lr, seed, init
         Client training; ``seed`` is the shared initialisation (and training) seed; ``init`` is
         ``"shared"`` (paper Table 1) or ``"independent"`` (Table 5: every client its own random
         init in round 1).
-    num_server_rounds, fraction_train, min_valid_replies, node_wait_s
+    num_server_rounds, fraction_train, min_valid_replies, node_wait_s, node_settle_s
         Rounds (1 = one-shot), fraction of nodes sampled per round, minimum valid replies to
-        merge, and how long the server waits for all ``num_partitions`` SuperNodes.
+        merge, how long the server waits for all ``num_partitions`` SuperNodes (with
+        ``num_partitions = 0``: for the first one), and, with ``num_partitions = 0``, for how
+        many seconds the set of connected SuperNodes must stay unchanged before the run starts.
     lam, rho, max_iters, reference, matching, aggregation, fisher_scaling, fallback
         The merge (see :class:`fedfiot_flwr.FedFiOT`).
     sweep, sweep_rho, sweep_lam, sweep_reference, sweep_fisher_scaling
@@ -58,7 +64,7 @@ class AppConfig:
     dataset: str = "digits"
     data_root: str = ""
     model: str = "mlp"
-    num_partitions: int = 6
+    num_partitions: int = 0
     alpha: float = 0.1
     partition_seed: int = 0
     validation_size: int = 200
@@ -72,6 +78,7 @@ class AppConfig:
     fraction_train: float = 1.0
     min_valid_replies: int = 2
     node_wait_s: float = 120.0
+    node_settle_s: float = 3.0
     lam: float = 1e-4
     rho: float = 0.5
     max_iters: int = 8
@@ -79,12 +86,13 @@ class AppConfig:
     matching: str = "fisher"
     aggregation: str = "fisher"
     fisher_scaling: str = "none"
-    fallback: str = "objective"
+    preset: str = "default"
+    fallback: str = ""
     sweep: bool = True
     sweep_rho: str = "0.2,0.3,0.4,0.5,0.6,0.7"
     sweep_lam: str = "1e-3,1e-4,1e-5"
     sweep_reference: str = "largest,broadcast"
-    sweep_fisher_scaling: str = "none"
+    sweep_fisher_scaling: str = ""
     results_dir: str = "results"
     run_name: str = ""
 
@@ -92,8 +100,12 @@ class AppConfig:
         def bad(key: str, why: str) -> ValueError:
             return ValueError(f"run config {key!r}: {why}, got {getattr(self, key.replace('-', '_'))!r}")
 
-        if self.num_partitions < 1:
-            raise bad("num-partitions", "must be >= 1")
+        if self.num_partitions < 0:
+            raise bad("num-partitions", "must be >= 1, or 0 to follow the federation")
+        if self.node_wait_s < 0:
+            raise bad("node-wait-s", "must be >= 0")
+        if self.node_settle_s < 0:
+            raise bad("node-settle-s", "must be >= 0")
         if not self.alpha > 0:
             raise bad("alpha", "must be > 0")
         if self.local_epochs < 1:
@@ -106,8 +118,10 @@ class AppConfig:
             raise bad("fraction-train", "must lie in (0, 1]")
         if self.init not in INITS:
             raise bad("init", f"must be one of {INITS}")
-        if self.fallback not in FALLBACKS:
-            raise bad("fallback", f"must be one of {FALLBACKS}")
+        if self.fallback and self.fallback not in FALLBACKS:
+            raise bad("fallback", f"must be one of {FALLBACKS} or empty (the preset's)")
+        if self.preset and self.preset not in PRESETS:
+            raise bad("preset", f"must be one of {sorted(PRESETS)} or empty")
         if self.fisher_scaling not in FISHER_SCALINGS:
             raise bad("fisher-scaling", f"must be one of {FISHER_SCALINGS}")
         if not (self.reference in REFERENCES or re.fullmatch(r"\d+", self.reference)):
@@ -153,6 +167,28 @@ class AppConfig:
                 raise ValueError(f"run config {key!r}: expected {type(default).__name__}, got {value!r}") from exc
         return cls(**kwargs)
 
+    def with_partitions(self, num_partitions: int) -> AppConfig:
+        """This configuration with K resolved to ``num_partitions`` (the federation's size).
+
+        Parameters
+        ----------
+        num_partitions : int
+            The number of SuperNodes (server) or the node config's ``num-partitions`` (client).
+
+        Raises
+        ------
+        ValueError
+            If ``num_partitions < 1``, or if this configuration fixes a different K > 0.
+        """
+        if num_partitions < 1:
+            raise ValueError(f"num-partitions must be >= 1, got {num_partitions}")
+        if self.num_partitions not in (0, num_partitions):
+            raise ValueError(
+                f"the federation has num-partitions = {num_partitions} but the run config fixes "
+                f"num-partitions = {self.num_partitions}; set it to 0 to follow the federation"
+            )
+        return replace(self, num_partitions=int(num_partitions))
+
     def reference_value(self) -> str | int:
         """``reference`` as the strategy expects it (a client index becomes an int)."""
         return int(self.reference) if self.reference.isdigit() else self.reference
@@ -160,7 +196,8 @@ class AppConfig:
     def sweep_grid(self) -> SweepGrid:
         """The selection grid from the ``sweep-*`` lists."""
         refs = parse_str_list(self.sweep_reference, "sweep-reference")
-        scalings = parse_str_list(self.sweep_fisher_scaling, "sweep-fisher-scaling")
+        scalings = (parse_str_list(self.sweep_fisher_scaling, "sweep-fisher-scaling") if self.sweep_fisher_scaling
+                    else PRESETS[self.preset]["fisher_scalings"] if self.preset else ("none",))
         for r in refs:
             if r not in REFERENCES:
                 raise ValueError(f"run config 'sweep-reference': {r!r} is not one of {REFERENCES}")
@@ -177,7 +214,7 @@ class AppConfig:
     def run_dir(self) -> Path:
         """``results_dir/run_name`` (run name derived from the settings when empty)."""
         name = self.run_name or (
-            f"{self.dataset}-{self.model}-K{self.num_partitions}-a{self.alpha:g}-T{self.num_server_rounds}-"
+            f"{self.dataset}-{self.model}-K{self.num_partitions or 'auto'}-a{self.alpha:g}-T{self.num_server_rounds}-"
             f"{self.init}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
         return Path(self.results_dir).expanduser() / name
@@ -187,9 +224,17 @@ class AppConfig:
         return {k.replace("_", "-"): v for k, v in asdict(self).items()}
 
     def split(self) -> FederatedSplit:
-        """Load the data set and draw the federated split (both cached per process)."""
+        """Load the data set and draw the federated split (both cached per process).
+
+        Raises
+        ------
+        ValueError
+            If K is not resolved yet (``num_partitions = 0``; see :meth:`with_partitions`).
+        """
         from .data import federated_split, load_dataset
 
+        if self.num_partitions < 1:
+            raise ValueError("num-partitions = 0 (follow the federation) must be resolved with with_partitions() first")
         bundle = load_dataset(self.dataset, root=self.data_root or None, augment=self.augment)
         return federated_split(
             bundle, num_partitions=self.num_partitions, alpha=self.alpha,

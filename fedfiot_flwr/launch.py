@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+#: SuperNodes of a launched federation when the run leaves K to the federation (the paper's K).
+DEFAULT_NUM_SUPERNODES = 6
+
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports on 127.0.0.1 that are free right now (all bound at once, so the
@@ -313,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--app", default=".", help="Flower app directory (default: .)")
     parser.add_argument("--mode", choices=("simulation", "deployment"), default="simulation")
     parser.add_argument("--num-supernodes", type=int, default=None,
-                        help="default: the app's num-partitions (6)")
+                        help=f"default: the run's num-partitions, or {DEFAULT_NUM_SUPERNODES} (the paper's K) "
+                             "when it is 0 (follow the federation)")
     parser.add_argument("--run-config-file", default=None, help="TOML run config, e.g. configs/digits-oneshot.toml")
     parser.add_argument("--run-config", default="", help='overrides, e.g. "local-epochs=5 alpha=0.2"')
     parser.add_argument("--results-dir", default="results", help="where results/<run-name>/ goes (default: ./results)")
@@ -325,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flwr.common.config import parse_config_args
 
     overrides: dict[str, Any] = dict(parse_config_args([args.run_config])) if args.run_config else {}
-    k = args.num_supernodes or int(overrides.get("num-partitions", 0)) or _num_partitions(args.app, args.run_config_file)
+    k = (args.num_supernodes or int(overrides.get("num-partitions", 0))
+         or _num_partitions(args.app, args.run_config_file) or DEFAULT_NUM_SUPERNODES)
     run_name = args.run_name or f"main-{time.strftime('%Y%m%d-%H%M%S')}"
     results_dir = Path(args.results_dir).resolve()
     overrides.update({"results-dir": str(results_dir), "run-name": run_name})
@@ -374,12 +379,13 @@ def _load_toml(path: Path) -> dict[str, Any]:
 
 
 def _num_partitions(app: str, run_config_file: str | None) -> int:
+    """K fixed by the run-config file or the app's pyproject.toml (0: follow the federation)."""
     if run_config_file:
         cfg = _load_toml(Path(run_config_file))
         if "num-partitions" in cfg:
             return int(cfg["num-partitions"])
     py = _load_toml(Path(app) / "pyproject.toml")
-    return int(py["tool"]["flwr"]["app"]["config"].get("num-partitions", 2))
+    return int(py["tool"]["flwr"]["app"]["config"].get("num-partitions", 0))
 
 
 def _dump_logs(fed: LocalFederation, tail: int = 60) -> None:

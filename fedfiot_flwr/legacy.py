@@ -154,7 +154,9 @@ class FedFiOTLegacy(FedAvg, FedFiOTCore):
         matching: str = "fisher",
         aggregation: str = "fisher",
         fisher_scaling: str = "none",
-        fallback: str = "objective",
+        fallback: str | None = None,
+        preset: str | None = "default",
+        fedavg_candidate: bool | None = None,
         buffers: Sequence[str] | None = None,
         validate_fn: LegacyEvaluateFn | None = None,
         sweep: SweepGrid | bool | None = None,
@@ -192,6 +194,7 @@ class FedFiOTLegacy(FedAvg, FedFiOTCore):
         self._init_core(
             spec=spec, model=model, lam=lam, rho=rho, max_iters=max_iters, reference=reference,
             matching=matching, aggregation=aggregation, fisher_scaling=fisher_scaling, fallback=fallback,
+            preset=preset, fedavg_candidate=fedavg_candidate,
             buffers=buffers, sweep=sweep, selection_metric=selection_metric,
             min_valid_replies=min_valid_replies if min_valid_replies is not None else max(1, min_fit_clients),
             results_path=results_path, checkpoint_dir=checkpoint_dir, baseline=baseline,
@@ -282,6 +285,10 @@ class FedFiOTLegacy(FedAvg, FedFiOTCore):
             base = self.evaluate_fn(server_round, self._to_list(outcome.baseline_model), {})
             if base is not None:
                 values["fedavg_test"] = {"loss": base[0], **base[1]}
+            if outcome.variant == "fedavg" and outcome.own_model is not None:
+                own = self.evaluate_fn(server_round, self._to_list(outcome.own_model), {})
+                if own is not None:
+                    values["own_test"] = {"loss": own[0], **own[1]}
         log(INFO, "FedFiOT round %s: test %s | FedAvg on the same uploads: %s",
             server_round, values["test"], values.get("fedavg_test"))
         self.results.update_round(server_round, values)

@@ -56,7 +56,9 @@ def round_record(server_round: int, uploads: CollectedUploads, outcome: MergeOut
         ``bytes_per_client``, ``chosen`` (rho, lam, reference, fisher_scaling, variant),
         ``objective_aligned``, ``objective_identity``, ``fallback_taken``, ``inner_iterations``
         (per permutation), ``fraction_permuted`` (per client), ``merge_seconds``,
-        ``selection_seconds``, ``num_trials``, ``trials``, ``validation``, ``fedavg_validation``.
+        ``selection_seconds``, ``num_trials``, ``trials``, ``validation``, ``fedavg_validation``,
+        ``fedavg_won`` (FedAvg was a candidate and scored best), ``own_variant`` and
+        ``own_validation`` (FedFiOT's own best merge, reported next to a FedAvg win).
     """
     res = outcome.result
     return _jsonable(
@@ -76,7 +78,10 @@ def round_record(server_round: int, uploads: CollectedUploads, outcome: MergeOut
             },
             "objective_aligned": res.aligned_objective,
             "objective_identity": res.identity_objective,
-            "fallback_taken": matching != "none" and outcome.variant == "identity",
+            "fallback_taken": matching != "none" and outcome.variant in ("identity", "fedavg"),
+            "fedavg_won": outcome.variant == "fedavg",
+            "own_variant": outcome.own_variant,
+            "own_validation": outcome.own_validation,
             "inner_iterations": {p: r.iterations for p, r in res.reports.items()},
             "fraction_permuted": dict(zip(uploads.client_ids, res.fraction_permuted)),
             "merge_seconds": res.seconds,

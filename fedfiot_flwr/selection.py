@@ -30,6 +30,16 @@ Model = dict[str, np.ndarray]
 ValidateFn = Callable[[Model], Mapping[str, float] | None]
 
 
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper: objective-based identity fallback, the per-example mean Fisher of eq. 106.
+    "paper": {"fallback": "objective", "fisher_scalings": ("none",), "fedavg_candidate": False},
+    # This project's default (issue 8): choose on validation between the aligned merge, the
+    # identity merge and FedAvg of the same uploads, and let the sweep also try the Fisher scaled
+    # by client size; FedFiOT's own merge is always reported next to a FedAvg win.
+    "default": {"fallback": "validation", "fisher_scalings": ("none", "size"), "fedavg_candidate": True},
+}
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One server-side merge configuration.
@@ -131,7 +141,8 @@ class MergeOutcome:
     candidate : Candidate
         The chosen configuration.
     variant : str
-        ``"aligned"`` or ``"identity"``: which of the candidate's two merges was kept.
+        ``"aligned"`` or ``"identity"``: which of the candidate's two merges was kept, or
+        ``"fedavg"`` when FedAvg of the same uploads was a candidate and scored best.
     result : MergeResult
         The chosen candidate's merge (objectives, permutations, reports).
     validation : dict[str, float] or None
@@ -144,6 +155,10 @@ class MergeOutcome:
         Validation metrics of the FedAvg baseline.
     seconds : float
         Wall time of the whole selection (all merges and validations).
+    own_model, own_variant, own_validation
+        FedFiOT's own best merge, its variant and validation metrics: the same as ``model``,
+        ``variant`` and ``validation`` unless FedAvg won (then reported next to it, so that a
+        fallback is never mistaken for a win).
     """
 
     model: Model
@@ -155,6 +170,9 @@ class MergeOutcome:
     baseline_model: Model | None = None
     baseline_validation: dict[str, float] | None = None
     seconds: float = 0.0
+    own_model: Model | None = None
+    own_variant: str | None = None
+    own_validation: dict[str, float] | None = None
 
 
 def _better(new: float, best: float, metric: str) -> bool:
@@ -187,6 +205,7 @@ def merge_round(
     validate: ValidateFn | None = None,
     metric: str = "accuracy",
     baseline: bool = True,
+    fedavg_candidate: bool = False,
 ) -> MergeOutcome:
     """Merge one round's valid uploads, selecting on validation data when possible.
 
@@ -217,6 +236,10 @@ def merge_round(
         Validation metric to select on; maximised unless its name contains ``"loss"``.
     baseline : bool
         Also compute (and validate) FedAvg of the same uploads.
+    fedavg_candidate : bool
+        Let FedAvg of the same uploads compete on validation (implies ``baseline``; needs
+        ``validate``). When it wins, ``variant`` is ``"fedavg"`` and FedFiOT's own best merge is
+        kept in ``own_model`` / ``own_variant`` / ``own_validation``.
 
     Returns
     -------
@@ -281,8 +304,9 @@ def merge_round(
     assert best is not None
     _, cand, variant, res, model, val = best
 
+    own = (model, variant, val)
     baseline_model = baseline_val = None
-    if baseline:
+    if baseline or (fedavg_candidate and validate is not None):
         base = merge(
             uploads.weights, uploads.fishers, spec, lam=default.lam, rho=default.rho, max_iters=1,
             reference="largest", num_examples=uploads.num_examples, matching="none", aggregation="size",
@@ -292,7 +316,12 @@ def merge_round(
         baseline_val = dict(validate(baseline_model) or {}) if validate is not None else None
     if len(trials) > 1:
         logger.info("FedFiOT round %s: selected %s (%s) out of %d trials", server_round, cand.label(), variant, len(trials))
+    if fedavg_candidate and validate is not None and _better(_score(baseline_val, metric), _score(val, metric), metric):
+        logger.info("FedFiOT round %s: FedAvg of the same uploads scored best on validation and is returned; "
+                    "FedFiOT's own merge (%s) is reported next to it", server_round, variant)
+        model, variant, val = baseline_model, "fedavg", baseline_val
     return MergeOutcome(
         model=model, candidate=cand, variant=variant, result=res, validation=val, trials=trials,
         baseline_model=baseline_model, baseline_validation=baseline_val, seconds=time.perf_counter() - start,
+        own_model=own[0], own_variant=own[1], own_validation=own[2],
     )

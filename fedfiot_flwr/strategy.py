@@ -28,7 +28,7 @@ from flwr.supercore import log
 from .merge import PermutationSpec
 from .merge.validate import check_options
 from .results import ResultsFile, round_record, save_checkpoint
-from .selection import FALLBACKS, Candidate, MergeOutcome, SweepGrid, merge_round
+from .selection import FALLBACKS, PRESETS, Candidate, MergeOutcome, SweepGrid, merge_round
 from .strategy_utils import (
     CollectedUploads,
     aggregate_client_metrics,
@@ -104,7 +104,7 @@ class FedFiOTCore:
         matching: str,
         aggregation: str,
         fisher_scaling: str,
-        fallback: str,
+        fallback: str | None,
         buffers: Sequence[str] | None,
         sweep: SweepGrid | bool | None,
         selection_metric: str,
@@ -112,8 +112,21 @@ class FedFiOTCore:
         results_path: str | Path | None,
         checkpoint_dir: str | Path | None,
         baseline: bool,
+        preset: str | None = None,
+        fedavg_candidate: bool | None = None,
     ) -> None:
         check_options(lam, rho, max_iters, matching, aggregation, "objective")
+        if preset is not None:
+            if preset not in PRESETS:
+                raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+            chosen = PRESETS[preset]
+            fallback = chosen["fallback"] if fallback is None else fallback
+            fedavg_candidate = chosen["fedavg_candidate"] if fedavg_candidate is None else fedavg_candidate
+            if sweep is True:  # an explicit SweepGrid is the user's own and stays as given
+                sweep = SweepGrid(fisher_scalings=chosen["fisher_scalings"])
+        fallback = "objective" if fallback is None else fallback
+        self.preset = preset
+        self.fedavg_candidate = bool(fedavg_candidate)
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
         self.spec, model_buffers = resolve_spec(spec, model)
@@ -158,6 +171,8 @@ class FedFiOTCore:
             },
             "selection_metric": self.selection_metric,
             "min_valid_replies": self.min_valid_replies,
+            "preset": self.preset,
+            "fedavg_candidate": self.fedavg_candidate,
         }
 
     def merge_replies(
@@ -222,6 +237,7 @@ class FedFiOTCore:
             validate=validate,
             metric=self.selection_metric,
             baseline=self.baseline,
+            fedavg_candidate=self.fedavg_candidate,
         )
         order = list(broadcast) if broadcast is not None else list(uploads.weights[0])
         model = {k: outcome.model[k] for k in order}
@@ -259,6 +275,7 @@ class FedFiOTCore:
                 "objective-aligned": float(res.aligned_objective),
                 "objective-identity": float(res.identity_objective),
                 "fallback-taken": int(bool(record["fallback_taken"])),
+                "fedavg-won": int(outcome.variant == "fedavg"),
                 "inner-iterations-max": max(iters) if iters else 0,
                 "fraction-permuted-mean": float(np.mean(res.fraction_permuted)) if res.fraction_permuted else 0.0,
                 "rho": float(cand.rho),
@@ -311,8 +328,17 @@ class FedFiOT(FedAvg, FedFiOTCore):
     aggregation : "fisher" | "uniform" | "size" (default: "fisher")
     fisher_scaling : "none" | "size" | "normalized" | "normalized-size" (default: "none")
         Per-client Fisher scaling (see :func:`fedfiot_flwr.merge.merge`).
-    fallback : "objective" | "validation" | "none" (default: "objective")
+    fallback : "objective" | "validation" | "none" (default: from ``preset``)
         The paper's identity fallback, a validation-based one, or none.
+    preset : "default" | "paper" | None (default: "default")
+        ``"paper"``: the paper's behaviour (objective-based fallback, unscaled Fisher).
+        ``"default"``: choose on validation among the aligned merge, the identity merge and
+        FedAvg of the same uploads, and let the sweep also try the size-scaled Fisher (see
+        README, "FedFiOT against FedAvg"). Explicit ``fallback`` / ``fedavg_candidate`` win.
+        ``None``: only the explicit options (fallback defaults to the paper's rule).
+    fedavg_candidate : bool, optional (default: from ``preset``)
+        Let FedAvg of the same uploads compete on validation; when it wins it is returned and
+        reported as such (``fedavg_won``), with FedFiOT's own merge reported next to it.
     validate_fn : callable, optional
         ``(server_round, ArrayRecord) -> MetricRecord | None`` on the server's *validation* set,
         same signature as ``evaluate_fn``. Enables server-side selection over ``sweep``.
@@ -350,7 +376,9 @@ class FedFiOT(FedAvg, FedFiOTCore):
         matching: str = "fisher",
         aggregation: str = "fisher",
         fisher_scaling: str = "none",
-        fallback: str = "objective",
+        fallback: str | None = None,
+        preset: str | None = "default",
+        fedavg_candidate: bool | None = None,
         buffers: Sequence[str] | None = None,
         validate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         sweep: SweepGrid | bool | None = None,
@@ -385,6 +413,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
         self._init_core(
             spec=spec, model=model, lam=lam, rho=rho, max_iters=max_iters, reference=reference,
             matching=matching, aggregation=aggregation, fisher_scaling=fisher_scaling, fallback=fallback,
+            preset=preset, fedavg_candidate=fedavg_candidate,
             buffers=buffers, sweep=sweep, selection_metric=selection_metric,
             min_valid_replies=min_valid_replies if min_valid_replies is not None else max(1, min_train_nodes),
             results_path=results_path, checkpoint_dir=checkpoint_dir, baseline=baseline,
@@ -468,7 +497,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
         final: dict[str, Any] = {"rounds": num_rounds, "seconds": time.perf_counter() - t0}
         if self.results.data["rounds"]:
             last = self.results.data["rounds"][-1]
-            for key in ("test", "fedavg_test", "validation", "fedavg_validation", "chosen"):
+            for key in ("test", "fedavg_test", "own_test", "validation", "fedavg_validation", "chosen", "fedavg_won"):
                 if key in last:
                     final[key] = last[key]
         if self.checkpoint_dir is not None and len(result.arrays) > 0:
@@ -495,6 +524,11 @@ class FedFiOT(FedAvg, FedFiOTCore):
                 }
                 log(INFO, "FedFiOT round %s: test %s | FedAvg on the same uploads: %s",
                     server_round, values["test"], values["fedavg_test"])
+            if outcome is not None and outcome.variant == "fedavg" and outcome.own_model is not None:
+                own = evaluate_fn(server_round, numpy_to_arrays(outcome.own_model, list(arrays.keys())))
+                values["own_test"] = None if own is None else {k: v for k, v in own.items() if not isinstance(v, list)}
+                log(INFO, "FedFiOT round %s: FedAvg won on validation; FedFiOT's own merge (%s) tests at %s",
+                    server_round, outcome.own_variant, values["own_test"])
             self.results.update_round(server_round, values)
             return res
 

@@ -133,7 +133,7 @@ def test_legacy_twin_on_a_tiny_torch_model_with_selection() -> None:
         calls.append(acc)
         return float(torch.nn.functional.cross_entropy(logits, y)), {"accuracy": acc}
 
-    legacy = FedFiOTLegacy(model=global_model, validate_fn=validate_fn, sweep=True, min_fit_clients=3)
+    legacy = FedFiOTLegacy(model=global_model, validate_fn=validate_fn, sweep=True, min_fit_clients=3, preset="paper")
     init = ndarrays_to_parameters([v.numpy() for v in global_model.state_dict().values()])
     legacy.initial_parameters = init
     params, metrics = legacy.aggregate_fit(1, results, [])

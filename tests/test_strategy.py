@@ -122,7 +122,7 @@ def test_selection_keeps_the_candidate_with_the_best_validation_score() -> None:
         return MetricRecord({"accuracy": s, "loss": -s})
 
     grid = SweepGrid(rhos=(0.2, 1.0), lams=(1e-4, 1e-1), references=("largest", "broadcast"))
-    strategy = FedFiOT(spec=SPEC, validate_fn=validate_fn, sweep=grid, baseline=True)
+    strategy = FedFiOT(spec=SPEC, validate_fn=validate_fn, sweep=grid, baseline=True, preset="paper")
     arrays, metrics = strategy.aggregate_train(1, replies)
     # round 1: "broadcast" (the random init) is skipped -> default + 4 grid points, deduplicated
     cands = grid.candidates(strategy.default_candidate, 1)

@@ -1,0 +1,807 @@
+"""Shared pieces of the benchmarks: client uploads (trained once, cached), methods, selection, tables, plots.
+
+Everything reuses the library: :class:`~fedfiot_flwr.app_config.AppConfig` for the split, the
+model and the seeds (so a benchmark client is the Flower ClientApp's client), the client's
+training + Fisher + 16-bit packing (:mod:`fedfiot_flwr.client`), the strategy's reply
+collection (:func:`~fedfiot_flwr.strategy_utils.collect_uploads`) and its validation-based
+selection (:func:`~fedfiot_flwr.selection.merge_round`), and the engine's method presets
+(:data:`fedfiot_flwr.merge.METHODS`).
+
+Every method is applied to the SAME uploads of a setting, and each method's knobs are chosen
+on the same server validation set (500 examples by default); the test set is used only for
+the chosen model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from torch.utils.data import DataLoader
+
+from fedfiot_flwr.app_config import AppConfig
+from fedfiot_flwr.client import pack_reply
+from fedfiot_flwr.data import FederatedSplit
+from fedfiot_flwr.fisher import diagonal_fisher
+from fedfiot_flwr.merge import METHODS, PermutationSpec, merge
+from fedfiot_flwr.models import permutation_spec
+from fedfiot_flwr.selection import Candidate, MergeOutcome, SweepGrid, merge_round
+from fedfiot_flwr.strategy_utils import CollectedUploads, collect_uploads, resolve_spec
+from fedfiot_flwr.task import default_device, evaluate, train
+
+logger = logging.getLogger("fedfiot_flwr.benchmarks")
+
+Model = dict[str, np.ndarray]
+
+ROOT = Path(__file__).resolve().parent
+CACHE_DIR = ROOT / "cache"
+RESULTS_DIR = ROOT / "results"
+
+DEFAULT_MODELS = {"digits": "mlp", "fashion-mnist": "fednet", "cifar10": "fednet", "svhn": "fednet", "cinic10": "fednet"}
+INITS = ("shared", "independent")
+
+PAPER_RHOS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+PAPER_LAMS = (1e-3, 1e-4, 1e-5)
+SMALL_RHOS = (0.3, 0.5, 0.7)
+SMALL_LAMS = (1e-3, 1e-5)
+GRIDS = {"paper": (PAPER_RHOS, PAPER_LAMS), "small": (SMALL_RHOS, SMALL_LAMS), "tiny": ((0.5,), (1e-3, 1e-5))}
+
+# Row order of the tables; "fedfiot-fp32" is FedFiOT on the float32 (unquantized) uploads.
+ONE_SHOT_METHODS = (
+    "fedavg", "fisher-merge", "otfusion", "wb-fusion", "ablation-b", "ablation-c", "ablation-d", "fedfiot",
+    "fedfiot-fp32", "fedfiot-default",
+)
+EXTRA_METHODS = ("fedfiot-val",)
+# Rows derived from another method's outcome rather than merged on their own.
+DERIVED_METHODS = {"fedfiot-own": "fedfiot-default"}
+METHOD_LABELS = {
+    "fedavg": "FedAvg",
+    "fisher-merge": "Fisher merging",
+    "otfusion": "OTFusion-like",
+    "wb-fusion": "WB-fusion-like",
+    "ablation-b": "B: no alignment",
+    "ablation-c": "C: Euclidean matching",
+    "ablation-d": "D: uniform aggregation",
+    "fedfiot": "FedFiOT (paper preset)",
+    "fedfiot-default": "FedFiOT (default preset)",
+    "fedfiot-own": "FedFiOT default, own merge only",
+    "fedfiot-fp32": "FedFiOT, float32 uploads",
+    "fedfiot-val": "FedFiOT + validation fallback, size scaling",
+}
+
+
+# ----------------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cell of the benchmark: a data set, a split, an initialisation, a seed and a local-training length.
+
+    Attributes
+    ----------
+    dataset, model : str
+        Data set and model names (:func:`fedfiot_flwr.data.load_dataset`, :func:`fedfiot_flwr.models.build_model`).
+    clients : int
+        K, the number of clients.
+    alpha : float
+        Dirichlet concentration of the label split.
+    init : {"shared", "independent"}
+        One broadcast initialisation (paper Table 1) or one per client (Table 5).
+    seed : int
+        Training seed (initialisation, data order); the partition does not depend on it.
+    epochs : int
+        Local epochs.
+    partition_seed, validation_size, batch_size, lr
+        The split's seed, the server validation set's size, and local SGD settings.
+    data_root : str
+        Where the data set lies ("" = the data layer's default).
+    """
+
+    dataset: str
+    model: str
+    clients: int
+    alpha: float
+    init: str
+    seed: int
+    epochs: int
+    partition_seed: int = 0
+    validation_size: int = 500
+    batch_size: int = 64
+    lr: float = 0.02
+    data_root: str = ""
+
+    def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+
+    def app_config(self) -> AppConfig:
+        """The Flower app's configuration of this setting (same split, model and seeds as ``flwr run``)."""
+        return AppConfig(
+            dataset=self.dataset, data_root=self.data_root, model=self.model, num_partitions=self.clients,
+            alpha=self.alpha, partition_seed=self.partition_seed, validation_size=self.validation_size,
+            local_epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, seed=self.seed, init=self.init,
+        )
+
+    def cache_key(self) -> str:
+        """Directory name of this setting's cached uploads (every field that changes them)."""
+        return (
+            f"{self.dataset}-{self.model}-K{self.clients}-a{self.alpha:g}-p{self.partition_seed}-v{self.validation_size}"
+            f"/{self.init}-s{self.seed}-e{self.epochs}-b{self.batch_size}-lr{self.lr:g}"
+        )
+
+    def column(self) -> str:
+        """Table column of this setting (seeds are aggregated)."""
+        return f"{self.dataset} a={self.alpha:g} {self.init} E={self.epochs}"
+
+
+def record_fields(setting: Setting) -> dict[str, Any]:
+    """The identifying fields of a setting in a result record."""
+    return {
+        "dataset": setting.dataset, "model": setting.model, "clients": setting.clients, "alpha": setting.alpha,
+        "init": setting.init, "epochs": setting.epochs, "seed": setting.seed, "partition_seed": setting.partition_seed,
+        "validation_size": setting.validation_size,
+    }
+
+
+# ------------------------------------------------------------------------------ client uploads
+
+
+@dataclass
+class ClientResult:
+    """One client's reply and what it cost.
+
+    Attributes
+    ----------
+    reply : RecordDict
+        The packed 16-bit reply, exactly as a FedFiOT ClientApp sends it.
+    weights32, fisher32 : dict[str, np.ndarray]
+        The same weights and Fisher before quantization (float32).
+    train_seconds, fisher_seconds : float
+        Wall time of local training and of the Fisher pass.
+    """
+
+    reply: RecordDict
+    weights32: Model
+    fisher32: Model
+    train_seconds: float
+    fisher_seconds: float
+
+
+@dataclass
+class Uploads:
+    """All clients' uploads of one setting (or one round).
+
+    Attributes
+    ----------
+    quantized : CollectedUploads
+        Dequantized 16-bit uploads, collected with the strategy's own code.
+    float32 : CollectedUploads
+        The same uploads before quantization.
+    replies : list[RecordDict]
+        The packed replies (for Flower's own aggregation).
+    broadcast : dict or None
+        The broadcast model (shared init / previous global model); None for independent init.
+    train_seconds, fisher_seconds : float
+        Summed over clients (as measured when the uploads were produced, also when loaded from cache).
+    cached : bool
+        Whether the uploads came from the disk cache.
+    """
+
+    quantized: CollectedUploads
+    float32: CollectedUploads
+    replies: list[RecordDict]
+    broadcast: Model | None
+    train_seconds: float
+    fisher_seconds: float
+    cached: bool = False
+
+
+def client_seed(seed: int, server_round: int, partition_id: int) -> int:
+    """Seed of a client's data order in a round (the Flower ClientApp's formula)."""
+    return seed * 100_003 + 7919 * server_round + partition_id
+
+
+def state_numpy(model: torch.nn.Module) -> Model:
+    """``model.state_dict()`` as float32/int NumPy arrays on the CPU."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def load_numpy(model: torch.nn.Module, state: Mapping[str, np.ndarray]) -> torch.nn.Module:
+    """Load a NumPy state dict into ``model`` (cast to each entry's dtype); returns ``model``."""
+    ref = model.state_dict()
+    model.load_state_dict({k: torch.as_tensor(np.asarray(state[k])).to(ref[k].dtype) for k in ref})
+    return model
+
+
+def train_client(
+    cfg: AppConfig,
+    split: FederatedSplit,
+    partition_id: int,
+    start: Mapping[str, np.ndarray] | None,
+    server_round: int = 1,
+    device: torch.device | None = None,
+) -> ClientResult:
+    """One client's round, as the Flower ClientApp runs it, keeping the float32 upload too.
+
+    ``fedfiot_flwr.client.train_and_pack`` is ``train`` + ``diagonal_fisher`` + ``pack_reply``;
+    the three calls are made here one by one so that the unquantized weights and Fisher (for the
+    16-bit vs float32 comparison) and the time of each part are available.
+
+    Parameters
+    ----------
+    cfg : AppConfig
+        Split, model, seeds and local-training settings.
+    split : FederatedSplit
+        ``cfg.split()``.
+    partition_id : int
+        The client.
+    start : dict, optional
+        The broadcast model; None (round 1 with ``cfg.init == "independent"``) starts from the
+        client's own random initialisation.
+    server_round : int
+        Round number (seeds the data order).
+    device : torch.device, optional
+        Defaults to CUDA when available.
+    """
+    device = device or default_device()
+    if start is None:
+        model = cfg.build_model(split, seed=cfg.client_init_seed(partition_id))
+    else:
+        model = load_numpy(cfg.build_model(split), start)
+    seed = client_seed(cfg.seed, server_round, partition_id)
+    gen = torch.Generator().manual_seed(seed)
+    loader = DataLoader(split.clients[partition_id], batch_size=cfg.batch_size, shuffle=True, generator=gen)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    metrics = train(model, loader, cfg.local_epochs, lr=cfg.lr, device=device, progress=False)
+    t1 = time.perf_counter()
+    # The Fisher pass sees the client's examples once, without augmentation, in large batches.
+    fisher_loader = DataLoader(split.client_eval(partition_id), batch_size=1000)
+    fisher = diagonal_fisher(model, fisher_loader, "empirical", device=device, progress=False)
+    t2 = time.perf_counter()
+    weights = state_numpy(model)
+    fisher_np = {k: v.detach().cpu().numpy() for k, v in fisher.items()}
+    reply = pack_reply(weights, fisher_np, len(split.client_indices[partition_id]), metrics)
+    return ClientResult(reply, weights, fisher_np, t1 - t0, t2 - t1)
+
+
+def _save_client(path: Path, result: ClientResult) -> None:
+    """Cache one client: the reply's raw Arrays (the wire payload), its metrics, and the float32 upload."""
+    arrays = result.reply["fedfiot"]
+    meta = {
+        "arrays": {k: {"dtype": a.dtype, "shape": list(a.shape), "stype": a.stype} for k, a in arrays.items()},
+        "metrics": dict(result.reply["metrics"]),
+        "train_seconds": result.train_seconds,
+        "fisher_seconds": result.fisher_seconds,
+    }
+    payload: dict[str, np.ndarray] = {f"wire/{k}": np.frombuffer(a.data, dtype=np.uint8) for k, a in arrays.items()}
+    payload.update({f"w32/{k}": v for k, v in result.weights32.items()})
+    payload.update({f"f32/{k}": v for k, v in result.fisher32.items()})
+    payload["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **payload)
+    os.replace(tmp, path)
+
+
+def _load_client(path: Path) -> ClientResult:
+    with np.load(path) as data:
+        meta = json.loads(bytes(data["meta"]).decode())
+        arrays = ArrayRecord()
+        for k, m in meta["arrays"].items():
+            arrays[k] = Array(dtype=m["dtype"], shape=tuple(m["shape"]), stype=m["stype"], data=data[f"wire/{k}"].tobytes())
+        reply = RecordDict({"fedfiot": arrays, "metrics": MetricRecord(meta["metrics"])})
+        w32 = {k[4:]: data[k] for k in data.files if k.startswith("w32/")}
+        f32 = {k[4:]: data[k] for k in data.files if k.startswith("f32/")}
+    order = list(meta["arrays"])
+    return ClientResult(reply, {k: w32[k] for k in order}, {k: f32[k] for k in order if k in f32},
+                        float(meta["train_seconds"]), float(meta["fisher_seconds"]))
+
+
+def collect(results: Sequence[ClientResult], buffers: Sequence[str], broadcast: Model | None) -> Uploads:
+    """Collect client results as the strategy does (unpack, dequantize, validate) plus their float32 twin."""
+    ids = [str(i) for i in range(len(results))]
+    expected = {k: tuple(v.shape) for k, v in results[0].weights32.items()}
+    quantized = collect_uploads(list(zip(ids, (r.reply for r in results))), expected, buffers)
+    if quantized.rejections:
+        raise ValueError(f"benchmark uploads rejected: {[vars(r) for r in quantized.rejections]}")
+    float32 = CollectedUploads(
+        client_ids=list(ids), weights=[r.weights32 for r in results], fishers=[r.fisher32 for r in results],
+        num_examples=list(quantized.num_examples), metrics=list(quantized.metrics),
+    )
+    return Uploads(quantized, float32, [r.reply for r in results], broadcast,
+                   sum(r.train_seconds for r in results), sum(r.fisher_seconds for r in results))
+
+
+def one_shot_uploads(
+    setting: Setting,
+    split: FederatedSplit,
+    buffers: Sequence[str],
+    cache_dir: Path | None = CACHE_DIR,
+    device: torch.device | None = None,
+    log: Callable[[str], None] = logger.info,
+) -> Uploads:
+    """Round-1 uploads of every client of ``setting``, trained once and cached on disk.
+
+    The cache holds, per client, the packed reply's bytes and the float32 weights and Fisher,
+    under ``cache_dir / setting.cache_key() / client<k>.npz``; ``cache_dir=None`` disables it.
+    """
+    cfg = setting.app_config()
+    broadcast = state_numpy(cfg.build_model(split)) if setting.init == "shared" else None
+    results: list[ClientResult] = []
+    cached = True
+    for pid in range(setting.clients):
+        path = None if cache_dir is None else Path(cache_dir) / setting.cache_key() / f"client{pid}.npz"
+        if path is not None and path.is_file():
+            results.append(_load_client(path))
+            continue
+        cached = False
+        res = train_client(cfg, split, pid, broadcast, 1, device)
+        log(f"  client {pid}: {len(split.client_indices[pid])} examples, train {res.train_seconds:.1f}s, "
+            f"Fisher {res.fisher_seconds:.1f}s, train acc {float(res.reply['metrics']['train-accuracy']):.3f}")
+        if path is not None:
+            _save_client(path, res)
+        results.append(res)
+    out = collect(results, buffers, broadcast)
+    out.cached = cached
+    return out
+
+
+# -------------------------------------------------------------------------------- evaluation
+
+
+class Evaluator:
+    """Fast validation and test accuracy of model dicts (one model object, pre-stacked batches, no grad).
+
+    Parameters
+    ----------
+    split : FederatedSplit
+        Gives the validation and test sets.
+    build : callable
+        ``() -> nn.Module`` of the benchmark's architecture.
+    device : torch.device, optional
+        Defaults to CUDA when available.
+    batch_size : int
+        Evaluation batch size.
+    """
+
+    def __init__(self, split: FederatedSplit, build: Callable[[], torch.nn.Module],
+                 device: torch.device | None = None, batch_size: int = 1000) -> None:
+        self.device = device or default_device()
+        self.model = build().to(self.device)
+        self.validation = self._batches(split.validation, batch_size)
+        self.test_set = split.test
+        self.batch_size = batch_size
+        self._test: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.validation_calls = 0
+        self.validation_seconds = 0.0
+
+    def _batches(self, dataset: Any, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(x.to(self.device), y.to(self.device)) for x, y in DataLoader(dataset, batch_size=batch_size)]
+
+    def _test_batches(self) -> Iterable[Any]:
+        if self._test is not None:
+            return self._test
+        x0, _ = self.test_set[0]
+        if len(self.test_set) * int(np.prod(tuple(x0.shape))) <= 2e8:  # keep up to ~800 MB of float32 in memory
+            self._test = self._batches(self.test_set, self.batch_size)
+            return self._test
+        return DataLoader(self.test_set, batch_size=self.batch_size)
+
+    def validate(self, model: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """``{"accuracy", "loss"}`` on the server validation set."""
+        t0 = time.perf_counter()
+        loss, acc = evaluate(load_numpy(self.model, model), self.validation, device=self.device)
+        self.validation_calls += 1
+        self.validation_seconds += time.perf_counter() - t0
+        return {"accuracy": float(acc), "loss": float(loss)}
+
+    def test(self, model: Mapping[str, np.ndarray]) -> tuple[float, float]:
+        """``(loss, accuracy)`` on the full test set."""
+        return evaluate(load_numpy(self.model, model), self._test_batches(), device=self.device)
+
+
+# ------------------------------------------------------------------------------------ methods
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """How one table row is produced from a setting's uploads.
+
+    Attributes
+    ----------
+    name : str
+        Row name (a key of :data:`METHOD_LABELS`).
+    preset : str
+        Merge-engine configuration (a key of :data:`fedfiot_flwr.merge.METHODS`).
+    default : Candidate
+        The configuration without a sweep (tried first with one, so it wins ties).
+    grid : SweepGrid or None
+        The method's own knobs, selected on validation accuracy.
+    fallback : str
+        :func:`fedfiot_flwr.selection.merge_round`'s fallback.
+    upload : {"q16", "fp32"}
+        The 16-bit uploads (default) or their float32 originals.
+    """
+
+    name: str
+    preset: str
+    default: Candidate
+    grid: SweepGrid | None
+    fallback: str
+    upload: str = "q16"
+    fedavg_candidate: bool = False
+
+    def knobs(self) -> str:
+        """Human-readable description of the grid."""
+        if self.grid is None:
+            return "none"
+        g, d = self.grid, self.default
+        parts = []
+        for label, values, fixed in (("rho", g.rhos, d.rho), ("lam", g.lams, d.lam), ("reference", g.references, None),
+                                     ("Fisher scaling", g.fisher_scalings, d.fisher_scaling)):
+            values = tuple(dict.fromkeys((*values, *(() if fixed is None else (fixed,)))))
+            if label in ("rho", "lam"):
+                values = tuple(sorted(values, reverse=label == "lam"))
+            if len(values) > 1:
+                parts.append(f"{label} {list(values)}")
+            elif label in ("rho", "lam") and self.preset in ("fisher-merge", "ablation-b", "ablation-c", "ablation-d", "fedfiot"):
+                parts.append(f"{label} = {values[0]:g}")
+        text = " x ".join(parts) or "none"
+        if self.fallback == "validation":
+            text += "; aligned or identity merge chosen on validation"
+        elif METHODS[self.preset]["matching"] != "none" and self.fallback == "objective":
+            text += "; identity fallback by objective (paper)"
+        return text + f" [{self.upload} uploads]"
+
+
+def method_plans(names: Sequence[str], init: str, grid: str = "paper", broadcast_reference: bool = True,
+                 server_round: int = 1) -> list[MethodPlan]:
+    """The plans of the named methods.
+
+    Knobs per method (each chosen on the validation set):
+
+    - FedAvg: none.
+    - Fisher merging (Matena & Raffel; FedFisher's diagonal variant): the raw Fisher (rho = 1),
+      damping lam, and the Fisher's client-size scaling (none | n_k/n).
+    - OTFusion-like, WB-fusion-like: the reference (Euclidean matching and uniform averaging
+      ignore rho and lam).
+    - Ablations B, C, D and FedFiOT: rho x lam (x reference when there is alignment), the
+      paper's rule for the identity fallback, the paper's unscaled Fisher.
+    - ``fedfiot-val``: FedFiOT's grid plus Fisher scaling, keeping the aligned or the identity
+      merge by validation accuracy instead of the objective (SPEC "points left open").
+
+    ``reference="broadcast"`` (the shared initialisation in one-shot, the previous global
+    model later) is a candidate when ``broadcast_reference`` and there is a broadcast model.
+    """
+    rhos, lams = GRIDS[grid]
+    refs: tuple[str, ...] = ("largest",)
+    if broadcast_reference and (init == "shared" or server_round > 1):
+        refs = ("largest", "broadcast")
+    default = Candidate(0.5, 1e-4, "largest", "none")
+    plans = {
+        "fedavg": MethodPlan("fedavg", "fedavg", default, None, "objective"),
+        "fisher-merge": MethodPlan("fisher-merge", "fisher-merge", Candidate(1.0, 1e-4, "largest", "none"),
+                                   SweepGrid((1.0,), lams, ("largest",), ("none", "size")), "objective"),
+        "otfusion": MethodPlan("otfusion", "otfusion", default, SweepGrid((0.5,), (1e-4,), refs), "none"),
+        "wb-fusion": MethodPlan("wb-fusion", "wb-fusion", default, SweepGrid((0.5,), (1e-4,), refs), "none"),
+        "ablation-b": MethodPlan("ablation-b", "ablation-b", default, SweepGrid(rhos, lams, ("largest",)), "objective"),
+        "ablation-c": MethodPlan("ablation-c", "ablation-c", default, SweepGrid(rhos, lams, refs), "objective"),
+        "ablation-d": MethodPlan("ablation-d", "ablation-d", default, SweepGrid(rhos, lams, refs), "objective"),
+        "fedfiot": MethodPlan("fedfiot", "fedfiot", default, SweepGrid(rhos, lams, refs), "objective"),
+        "fedfiot-fp32": MethodPlan("fedfiot-fp32", "fedfiot", default, SweepGrid(rhos, lams, refs), "objective", "fp32"),
+        "fedfiot-val": MethodPlan("fedfiot-val", "fedfiot", default, SweepGrid(rhos, lams, refs, ("none", "size")),
+                                  "validation"),
+        # The library's default preset (issue 8): validation picks aligned / identity / FedAvg.
+        "fedfiot-default": MethodPlan("fedfiot-default", "fedfiot", default,
+                                      SweepGrid(rhos, lams, refs, ("none", "size")), "validation",
+                                      fedavg_candidate=True),
+    }
+    unknown = [n for n in names if n not in plans]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {list(plans)}")
+    return [plans[n] for n in names]
+
+
+@dataclass
+class MethodResult:
+    """A method's chosen model on one setting and how it was chosen."""
+
+    method: str
+    model: Model
+    outcome: MergeOutcome
+    validation_accuracy: float
+    knobs: dict[str, Any]
+    fraction_permuted: float
+    alignment_fraction_permuted: float
+    merge_seconds: float
+    sweep_seconds: float
+    candidates: int
+    test_accuracy: float = math.nan
+    test_loss: float = math.nan
+    test_seconds: float = 0.0
+
+    def record(self) -> dict[str, Any]:
+        """JSON-friendly summary (no model)."""
+        return {
+            "method": self.method, "test_accuracy": self.test_accuracy, "test_loss": self.test_loss,
+            "validation_accuracy": self.validation_accuracy, "knobs": self.knobs,
+            "fraction_permuted": self.fraction_permuted, "alignment_fraction_permuted": self.alignment_fraction_permuted,
+            "merge_seconds": self.merge_seconds, "sweep_seconds": self.sweep_seconds, "candidates": self.candidates,
+            "test_seconds": self.test_seconds,
+        }
+
+
+def apply_method(
+    plan: MethodPlan,
+    uploads: Uploads,
+    spec: PermutationSpec,
+    buffers: Sequence[str],
+    validate: Callable[[Model], Mapping[str, float]],
+    server_round: int = 1,
+    max_iters: int = 8,
+) -> MethodResult:
+    """Merge ``uploads`` with one method, choosing its knobs on validation accuracy.
+
+    Uses :func:`fedfiot_flwr.selection.merge_round` (the strategy's own selection), with
+    ``server_round=2`` when the broadcast model is offered as a reference in one-shot with a
+    shared initialisation (``merge_round`` drops ``"broadcast"`` in round 1, where the paper
+    uses only the largest client).
+    """
+    collected = uploads.quantized if plan.upload == "q16" else uploads.float32
+    options = METHODS[plan.preset]
+    offers_broadcast = plan.grid is not None and "broadcast" in plan.grid.references
+    round_for_grid = max(server_round, 2) if offers_broadcast and uploads.broadcast is not None else server_round
+    t0 = time.perf_counter()
+    outcome = merge_round(
+        collected, spec, plan.default, max_iters=int(options.get("max_iters", max_iters)),
+        matching=options["matching"], aggregation=options["aggregation"], fallback=plan.fallback, buffers=buffers,
+        broadcast=uploads.broadcast, server_round=round_for_grid, sweep=plan.grid, validate=validate,
+        metric="accuracy", baseline=False, fedavg_candidate=plan.fedavg_candidate,
+    )
+    sweep_seconds = time.perf_counter() - t0
+    res = outcome.result
+    # With fallback="validation" a candidate appears twice (aligned, identity) with one merge time.
+    distinct = {(t["rho"], t["lam"], str(t["reference"]), t["fisher_scaling"]): t["merge_seconds"] for t in outcome.trials}
+    alignment_fraction = float(np.mean(res.fraction_permuted)) if res.fraction_permuted else 0.0
+    kept_aligned = outcome.variant == "aligned" and options["matching"] != "none"
+    knobs: dict[str, Any] = {**asdict(outcome.candidate), "variant": outcome.variant}
+    if plan.fedavg_candidate:
+        knobs["fedavg_won"] = outcome.variant == "fedavg"
+        knobs["own_variant"] = outcome.own_variant
+    # Which knobs the method actually chose among (the others are fixed or have no effect).
+    knobs["swept"] = [] if plan.grid is None else [
+        k for k, values in (("rho", plan.grid.rhos), ("lam", plan.grid.lams), ("reference", plan.grid.references),
+                            ("fisher_scaling", plan.grid.fisher_scalings))
+        if len({*values, getattr(plan.default, k)}) > 1
+    ]
+    if plan.fallback == "validation":
+        knobs["swept"].append("variant")
+    knobs["aligning"] = options["matching"] != "none"
+    return MethodResult(
+        method=plan.name, model=outcome.model, outcome=outcome,
+        validation_accuracy=float((outcome.validation or {}).get("accuracy", math.nan)), knobs=knobs,
+        fraction_permuted=alignment_fraction if kept_aligned else 0.0,
+        alignment_fraction_permuted=alignment_fraction,
+        merge_seconds=float(sum(distinct.values())),
+        sweep_seconds=sweep_seconds, candidates=len(distinct),
+    )
+
+
+def fedfiot_alignment_fraction(uploads: CollectedUploads, spec: PermutationSpec, buffers: Sequence[str]) -> float:
+    """Mean fraction of hidden neurons FedFiOT's alignment (default knobs) moves on ``uploads``: a misalignment gauge."""
+    res = merge(uploads.weights, uploads.fishers, spec, num_examples=uploads.num_examples, buffers=buffers)
+    return float(np.mean(res.fraction_permuted))
+
+
+def flower_fedavg(replies: Sequence[RecordDict], uploads: CollectedUploads) -> Model:
+    """FedAvg of the dequantized uploads computed by Flower's own ``aggregate_arrayrecords``."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    records = [
+        RecordDict({"arrays": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in w.items()}),
+                    "metrics": MetricRecord({"num-examples": int(n)})})
+        for w, n in zip(uploads.weights, uploads.num_examples)
+    ]
+    agg = aggregate_arrayrecords(records, "num-examples")
+    return {k: v.numpy() for k, v in agg.items()}
+
+
+def model_tools(setting: Setting, split: FederatedSplit) -> tuple[Callable[[], torch.nn.Module], PermutationSpec, tuple[str, ...]]:
+    """``(build, spec, buffers)`` of the setting's architecture."""
+    cfg = setting.app_config()
+    build = lambda: cfg.build_model(split)  # noqa: E731
+    model = build()
+    spec, buffers = resolve_spec(permutation_spec(model), model)
+    assert spec is not None
+    return build, spec, buffers
+
+
+# ---------------------------------------------------------------------------- tables, files
+
+
+def machine_description() -> str:
+    """CPU/GPU, core count and library versions, in one line."""
+    import flwr
+
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    cpu = platform.processor() or platform.machine()
+    return (f"{cpu}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), {dev}; "
+            f"Python {platform.python_version()}, torch {torch.__version__}, flwr {flwr.__version__}, numpy {np.__version__}")
+
+
+def command_line() -> str:
+    """The command that is running, as one shell line relative to the repository root."""
+    return ".venv/bin/python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT.parent), *sys.argv[1:]])
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (nan for a single value)."""
+    arr = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if arr.size == 0:
+        return math.nan, math.nan
+    return float(arr.mean()), float(arr.std(ddof=1)) if arr.size > 1 else math.nan
+
+
+def fmt_pct(mean: float, std: float) -> str:
+    """``"54.3 ± 1.2"`` in percent (std omitted for one seed)."""
+    if math.isnan(mean):
+        return "–"
+    return f"{100 * mean:.1f}" + ("" if math.isnan(std) else f" ± {100 * std:.1f}")
+
+
+def setting_columns(records: Sequence[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
+    """Distinct (dataset, alpha, init, epochs) in first-seen order."""
+    out: list[tuple[Any, ...]] = []
+    for r in records:
+        key = (r["dataset"], r["alpha"], r["init"], r["epochs"])
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def column_label(key: tuple[Any, ...]) -> str:
+    dataset, alpha, init, epochs = key
+    return f"{dataset} α={alpha:g} {init} E={epochs}"
+
+
+def accuracy_table(records: Sequence[Mapping[str, Any]], methods: Sequence[str], value: str = "test_accuracy") -> str:
+    """Markdown table: one row per method, one column per setting, mean ± sample std over seeds (percent)."""
+    cols = setting_columns(records)
+    lines = ["| method | " + " | ".join(column_label(c) for c in cols) + " |", "|---|" + "---|" * len(cols)]
+    best: dict[tuple[Any, ...], float] = {}
+    cells: dict[tuple[str, tuple[Any, ...]], tuple[float, float, int]] = {}
+    for m in methods:
+        for c in cols:
+            vals = [r[value] for r in records if r["method"] == m and (r["dataset"], r["alpha"], r["init"], r["epochs"]) == c]
+            if vals:
+                mu, sd = mean_std(vals)
+                cells[(m, c)] = (mu, sd, len(vals))
+                if m != "fedfiot-fp32" and not math.isnan(mu):
+                    best[c] = max(best.get(c, -1.0), mu)
+    for m in methods:
+        row = []
+        for c in cols:
+            if (m, c) not in cells:
+                row.append("–")
+                continue
+            mu, sd, _ = cells[(m, c)]
+            text = fmt_pct(mu, sd)
+            row.append(f"**{text}**" if m != "fedfiot-fp32" and mu == best.get(c) else text)
+        lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(row) + " |")
+    seeds = sorted({r["seed"] for r in records})
+    lines.append("")
+    lines.append(f"Test accuracy (%), mean ± sample std over seeds {seeds}; bold: best per column (float32 row excluded).")
+    return "\n".join(lines)
+
+
+def fraction_table(records: Sequence[Mapping[str, Any]], method: str = "fedfiot") -> str:
+    """Markdown: per setting, the fraction of hidden neurons FedFiOT's chosen merge permuted (and alignment found)."""
+    cols = setting_columns(records)
+    lines = ["| setting | permuted in the returned merge (%) | permuted by the alignment (%) | aligned merge kept |",
+             "|---|---|---|---|"]
+    for c in cols:
+        rs = [r for r in records if r["method"] == method and (r["dataset"], r["alpha"], r["init"], r["epochs"]) == c]
+        if not rs:
+            continue
+        kept = sum(r["knobs"].get("variant") == "aligned" for r in rs)
+        lines.append(f"| {column_label(c)} | {fmt_pct(*mean_std([r['fraction_permuted'] for r in rs]))} | "
+                     f"{fmt_pct(*mean_std([r['alignment_fraction_permuted'] for r in rs]))} | {kept}/{len(rs)} |")
+    return "\n".join(lines)
+
+
+def knob_table(records: Sequence[Mapping[str, Any]], methods: Sequence[str]) -> str:
+    """Markdown: the knobs each method chose, per setting and seed."""
+    lines = ["| setting | seed | " + " | ".join(METHOD_LABELS.get(m, m) for m in methods) + " |",
+             "|---|---|" + "---|" * len(methods)]
+    for c in setting_columns(records):
+        for seed in sorted({r["seed"] for r in records}):
+            cells = []
+            for m in methods:
+                r = next((r for r in records if r["method"] == m and r["seed"] == seed
+                          and (r["dataset"], r["alpha"], r["init"], r["epochs"]) == c), None)
+                cells.append("–" if r is None else knob_text(r["knobs"]))
+            if any(x != "–" for x in cells):
+                lines.append(f"| {column_label(c)} | {seed} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def knob_text(knobs: Mapping[str, Any]) -> str:
+    """Short text of the knobs a method chose (only those it swept; "identity" when the fallback was taken)."""
+    swept = knobs.get("swept", [])
+    parts = []
+    if "rho" in swept:
+        parts.append(f"ρ={knobs['rho']:g}")
+    if "lam" in swept:
+        parts.append(f"λ={knobs['lam']:.0e}")
+    if "reference" in swept:
+        parts.append(f"ref={knobs['reference']}")
+    if "fisher_scaling" in swept:
+        parts.append(f"scale={knobs['fisher_scaling']}")
+    if knobs.get("variant") == "identity" and knobs.get("aligning", False):
+        parts.append("identity")
+    return ", ".join(parts) or "–"
+
+
+def write_json(path: Path, payload: Mapping[str, Any]) -> None:
+    """Write JSON atomically (NaN as null)."""
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        if isinstance(x, (np.floating, np.integer)):
+            return clean(x.item())
+        return x
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(clean(payload), indent=1))
+    os.replace(tmp, path)
+
+
+def setup_logging(verbose: bool = True) -> Callable[[str], None]:
+    """Timestamped progress lines on stderr; returns the log function."""
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        if verbose:
+            print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def set_threads(threads: int | None) -> None:
+    """Limit torch's CPU threads (None: leave the default)."""
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def replace_setting(setting: Setting, **changes: Any) -> Setting:
+    """``dataclasses.replace`` for :class:`Setting`."""
+    return replace(setting, **changes)
+
+
+__all__ = [
+    "CACHE_DIR", "DEFAULT_MODELS", "EXTRA_METHODS", "Evaluator", "GRIDS", "METHOD_LABELS", "MethodPlan",
+    "MethodResult", "ONE_SHOT_METHODS", "RESULTS_DIR", "Setting", "Uploads", "accuracy_table", "apply_method",
+    "client_seed", "collect", "command_line", "fedfiot_alignment_fraction", "flower_fedavg", "fraction_table",
+    "knob_table", "load_numpy", "machine_description", "mean_std", "method_plans", "model_tools",
+    "one_shot_uploads", "record_fields", "set_threads", "setup_logging", "state_numpy", "train_client",
+    "write_json",
+]

@@ -1,0 +1,157 @@
+"""Smoke runs of the benchmarks on digits (1 seed, 1 local epoch) and checks of the harness."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from torch.utils.data import DataLoader
+
+from benchmarks import few_round, one_shot
+from benchmarks import harness as H
+from fedfiot_flwr.client import train_and_pack, unpack_reply
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def one_shot_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    root = tmp_path_factory.mktemp("one_shot")
+    payload = one_shot.main(["--quick", "--out", str(root / "out"), "--cache-dir", str(root / "cache"), "--quiet"])
+    return payload, root
+
+
+def _setting(init: str) -> H.Setting:
+    return H.Setting("digits", "mlp", 6, 0.1, init, 0, 1, validation_size=200)
+
+
+def test_one_shot_every_method_has_a_finite_accuracy(one_shot_run: tuple[dict, Path]) -> None:
+    payload, root = one_shot_run
+    records = payload["records"]
+    for init in H.INITS:
+        got = {r["method"]: r for r in records if r["init"] == init}
+        assert sorted(got) == sorted([*H.ONE_SHOT_METHODS, *H.DERIVED_METHODS])
+        for method, rec in got.items():
+            assert math.isfinite(rec["test_accuracy"]) and 0.0 <= rec["test_accuracy"] <= 1.0, method
+            assert math.isfinite(rec["validation_accuracy"]), method
+            assert rec["candidates"] >= 1 and rec["merge_seconds"] >= 0.0
+    # The markdown table has one row per method with a number in every column.
+    table = (root / "out" / "one_shot.md").read_text().split("## Validation")[0]
+    for method in [*H.ONE_SHOT_METHODS, *H.DERIVED_METHODS]:
+        row = next(line for line in table.splitlines() if line.startswith(f"| {H.METHOD_LABELS[method]} |"))
+        cells = [c.strip().strip("*") for c in row.strip("|").split("|")[1:]]
+        assert len(cells) == 2 and all(math.isfinite(float(c.split()[0])) for c in cells), row
+    on_disk = json.loads((root / "out" / "one_shot.json").read_text())
+    assert len(on_disk["records"]) == len(records) and on_disk["timing"]["complete"]
+    assert (root / "out" / "one_shot.png").is_file()
+    # Alignment methods on independently initialised clients do permute neurons.
+    indep = {r["method"]: r for r in records if r["init"] == "independent"}
+    assert indep["fedfiot"]["alignment_fraction_permuted"] > 0.2
+    assert indep["fedavg"]["fraction_permuted"] == 0.0
+    # The default preset is never below FedAvg on validation; its own merge is reported too.
+    for init in H.INITS:
+        got = {r["method"]: r for r in records if r["init"] == init}
+        assert got["fedfiot-default"]["validation_accuracy"] >= got["fedavg"]["validation_accuracy"]
+        assert got["fedfiot-own"]["knobs"]["variant"] in ("aligned", "identity")
+
+
+def test_harness_fedavg_equals_flower_aggregate_arrayrecords(one_shot_run: tuple[dict, Path]) -> None:
+    _, root = one_shot_run
+    setting = _setting("independent")
+    split = setting.app_config().split()
+    build, spec, buffers = H.model_tools(setting, split)
+    uploads = H.one_shot_uploads(setting, split, buffers, root / "cache")
+    assert uploads.cached  # the smoke run's uploads, not new ones
+    plan = H.method_plans(["fedavg"], setting.init)[0]
+    ours = H.apply_method(plan, uploads, spec, buffers, lambda m: {"accuracy": 0.0}).model
+    # Flower's FedAvg on the same dequantized uploads, built from the packed replies directly.
+    records = []
+    for reply in uploads.replies:
+        up = unpack_reply(reply)
+        records.append(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in up.weights.items()}),
+                                   "metrics": MetricRecord({"num-examples": up.num_examples})}))
+    flower = aggregate_arrayrecords(records, "num-examples")
+    assert sorted(flower.keys()) == sorted(ours)
+    for k, v in flower.items():
+        np.testing.assert_allclose(ours[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    # ... and they are not trivially equal to one client's model.
+    assert not np.allclose(ours["fc1.weight"], uploads.quantized.weights[0]["fc1.weight"])
+
+
+def test_knobs_are_the_validation_argmax(one_shot_run: tuple[dict, Path]) -> None:
+    _, root = one_shot_run
+    setting = _setting("shared")
+    split = setting.app_config().split()
+    build, spec, buffers = H.model_tools(setting, split)
+    uploads = H.one_shot_uploads(setting, split, buffers, root / "cache")
+    ev = H.Evaluator(split, build)
+    res = H.apply_method(H.method_plans(["fedfiot"], "shared", "tiny")[0], uploads, spec, buffers, ev.validate)
+    scores = [t["validation"]["accuracy"] for t in res.outcome.trials]
+    assert res.validation_accuracy == max(scores)
+    assert {t["reference"] for t in res.outcome.trials} == {"largest", "broadcast"}  # shared init offers the init
+    assert res.validation_accuracy == pytest.approx(ev.validate(res.model)["accuracy"])
+
+
+def test_cached_uploads_are_the_trained_ones(tmp_path: Path) -> None:
+    setting = _setting("shared")
+    split = setting.app_config().split()
+    _, _, buffers = H.model_tools(setting, split)
+    fresh = H.one_shot_uploads(setting, split, buffers, tmp_path)
+    again = H.one_shot_uploads(setting, split, buffers, tmp_path)
+    assert not fresh.cached and again.cached
+    for a, b in zip(fresh.quantized.weights + fresh.quantized.fishers + fresh.float32.weights,
+                    again.quantized.weights + again.quantized.fishers + again.float32.weights):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+    assert fresh.quantized.num_examples == again.quantized.num_examples == split.client_sizes
+    # 16-bit uploads are within the quantizer's error bound (plus float32 output rounding) of the float32 ones.
+    for q, f in zip(fresh.quantized.weights, fresh.float32.weights):
+        for k in q:
+            amax = float(np.max(np.abs(f[k])))
+            assert np.max(np.abs(q[k].astype(np.float64) - f[k])) <= amax / (2 * (2**15 - 1)) + 2 * np.spacing(np.float32(amax))
+
+
+def test_train_client_matches_the_library_train_and_pack() -> None:
+    setting = _setting("shared")
+    cfg = setting.app_config()
+    split = cfg.split()
+    start = H.state_numpy(cfg.build_model(split))
+    ours = unpack_reply(H.train_client(cfg, split, 2, start, 1, torch.device("cpu")).reply)
+    # What the Flower ClientApp does for the same client, seed and round.
+    model = H.load_numpy(cfg.build_model(split), start)
+    seed = H.client_seed(cfg.seed, 1, 2)
+    loader = DataLoader(split.clients[2], batch_size=cfg.batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    ref = unpack_reply(train_and_pack(model, loader, cfg.local_epochs, device="cpu", lr=cfg.lr, progress=False))
+    assert ours.num_examples == ref.num_examples
+    for k in ref.weights:
+        np.testing.assert_array_equal(ours.weights[k], ref.weights[k], err_msg=k)
+        np.testing.assert_allclose(ours.fisher[k], ref.fisher[k], rtol=1e-3, atol=2e-4 * float(np.max(ref.fisher[k])), err_msg=k)
+
+
+def test_few_round_smoke(tmp_path: Path) -> None:
+    payload = few_round.main(["--quick", "--rounds", "2", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+                              "--quiet"])
+    recs = payload["records"]
+    assert sorted({(r["method"], r["round"]) for r in recs}) == sorted(
+        (m, r) for m in few_round.FEW_ROUND_METHODS for r in (1, 2))
+    for r in recs:
+        assert math.isfinite(r["test_accuracy"]) and math.isfinite(r["alignment_fraction_permuted"]), r["method"]
+    # Round 1 merges the same uploads: FedAvg's round-1 model is the one-shot FedAvg.
+    assert (tmp_path / "few_round.png").is_file() and (tmp_path / "few_round.md").is_file()
+    text = (tmp_path / "few_round.md").read_text()
+    assert f"| {H.METHOD_LABELS['fedfiot']} |" in text and "round 2" in text
