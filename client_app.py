@@ -1,10 +1,15 @@
 """FedFiOT ClientApp: local training, then weights and diagonal Fisher, 16-bit quantized.
 
 A standard Flower PyTorch ClientApp; the only FedFiOT-specific line is ``train_and_pack``,
-which trains, computes the empirical Fisher and packs both into the reply.
+which trains, computes the empirical Fisher and packs both into the reply. With the run
+config's ``strategy`` set to a baseline the client sends that baseline's upload instead:
+the diagonal Fisher of ``fisher-kind`` (``fedfisher-diag``), K-FAC factors
+(``fedfisher-kfac``) or input Grams (``regmean``), computed on the unaugmented examples.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -12,8 +17,10 @@ from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader
 
 from fedfiot_flwr.app_config import AppConfig
+from fedfiot_flwr.baselines import pack_upload
 from fedfiot_flwr.client import train_and_pack
 from fedfiot_flwr.task import evaluate
+from fedfiot_flwr.task import train as local_train
 
 app = ClientApp()
 
@@ -54,7 +61,7 @@ def _partition(context: Context, cfg: AppConfig) -> tuple[AppConfig, int]:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train on this node's partition from the broadcast model and reply with weights + Fisher."""
+    """Train on this node's partition from the broadcast model and reply with weights + curvature."""
     cfg, pid = _partition(context, AppConfig.from_run_config(context.run_config))
     split = cfg.split()
     config = msg.content["config"]
@@ -72,11 +79,30 @@ def train(msg: Message, context: Context) -> Message:
     torch.manual_seed(cfg.seed * 100_003 + 7919 * server_round + pid)
     # The Fisher runs over the same examples without augmentation (paper, eq. 106).
     fisherloader = DataLoader(split.client_eval(pid), batch_size=256)
-    content = train_and_pack(
-        model, loader, int(config.get("local-epochs", cfg.local_epochs)),
-        device=device, fisherloader=fisherloader, lr=float(config.get("lr", cfg.lr)), progress=False,
-    )
+    epochs, lr = int(config.get("local-epochs", cfg.local_epochs)), float(config.get("lr", cfg.lr))
+    if cfg.strategy in ("fedfiot", "fedfisher-diag"):
+        content = train_and_pack(
+            model, loader, epochs, device=device, fisherloader=fisherloader, lr=lr, progress=False,
+            fisher_kind=cfg.client_fisher_kind(),
+        )
+    else:
+        metrics = local_train(model, loader, epochs, device=device, lr=lr, progress=False)
+        content = curvature_upload(cfg, model, fisherloader, metrics, device)
     return Message(content=content, reply_to=msg)
+
+
+def curvature_upload(
+    cfg: AppConfig, model: torch.nn.Module, loader: DataLoader, metrics: Mapping[str, float], device: torch.device
+) -> RecordDict:
+    """The reply of a FedFisher (K-FAC) or RegMean client for its trained ``model``.
+
+    K-FAC factors (``strategy = "fedfisher-kfac"``, Fisher kind from ``fisher-kind``) or the
+    Linear layers' input Grams (``"regmean"``) over ``loader`` (the client's examples without
+    augmentation), 8-bit low rank within FedAvg's upload size (``rank="fedavg"``), plus the
+    16-bit weights (:func:`fedfiot_flwr.baselines.pack_upload`).
+    """
+    return pack_upload(cfg.strategy, model, loader, metrics=metrics, fisher_kind=cfg.client_fisher_kind(),
+                       rank="fedavg", device=device)
 
 
 @app.evaluate()

@@ -1,5 +1,8 @@
 """FedFiOT ServerApp: one-shot or few-round FedFiOT with server-side selection on validation data.
 
+The ``strategy`` key swaps FedFiOT for one of the paper's one-shot baselines (FedFisher with
+K-FAC or diagonal Fishers, RegMean); everything else (data, model, validation, results) stays.
+
 Run with ``flwr run .`` (see the README); every knob is a ``[tool.flwr.app.config]`` key.
 """
 
@@ -7,16 +10,21 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from logging import INFO
+from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 from torch.utils.data import DataLoader
 
 from fedfiot_flwr import FedFiOT
 from fedfiot_flwr.app_config import AppConfig
+from fedfiot_flwr.baselines import FedFisherStrategy, RegMeanStrategy
 from fedfiot_flwr.models import permutation_spec
 from fedfiot_flwr.results import ResultsFile
 from fedfiot_flwr.task import evaluate
@@ -99,6 +107,59 @@ def _resolve_federation(grid: Grid, cfg: AppConfig) -> AppConfig:
     raise RuntimeError(msg)
 
 
+STRATEGY_LABELS = {"fedfiot": "FedFiOT", "fedfisher-kfac": "FedFisher (K-FAC)", "fedfisher-diag": "FedFisher (diag)",
+                   "regmean": "RegMean"}
+
+
+def build_strategy(
+    cfg: AppConfig,
+    model: torch.nn.Module,
+    validate_fn: Callable[[int, ArrayRecord], MetricRecord] | None,
+    min_train: int,
+    run_dir: Path,
+) -> FedAvg:
+    """The strategy the ``strategy`` key names, with the run's sampling, results file and checkpoints.
+
+    ``fedfiot``: :class:`~fedfiot_flwr.FedFiOT` with the merge keys; ``fedfisher-kfac`` /
+    ``fedfisher-diag``: :class:`~fedfiot_flwr.baselines.FedFisherStrategy` (``fedfisher-steps``,
+    ``fisher-kind``); ``regmean``: :class:`~fedfiot_flwr.baselines.RegMeanStrategy`. All select
+    their knobs on ``validate_fn`` and record FedAvg of the same uploads.
+    """
+    common: dict[str, Any] = dict(
+        model=model,
+        validate_fn=validate_fn,
+        fraction_train=cfg.fraction_train,
+        fraction_evaluate=0.0,
+        min_train_nodes=min_train,
+        min_available_nodes=cfg.num_partitions,
+        min_valid_replies=min(cfg.min_valid_replies, min_train),
+        results_path=run_dir / "results.json",
+        checkpoint_dir=run_dir / "checkpoints",
+        run_info={"app": cfg.as_dict(), "run_dir": str(run_dir)},
+    )
+    if cfg.strategy == "fedfiot":
+        return FedFiOT(
+            spec=permutation_spec(model),
+            lam=cfg.lam,
+            rho=cfg.rho,
+            max_iters=cfg.max_iters,
+            reference=cfg.reference_value(),
+            matching=cfg.matching,
+            aggregation=cfg.aggregation,
+            fisher_scaling=cfg.fisher_scaling,
+            fallback=cfg.fallback or None,
+            preset=cfg.preset or None,
+            sweep=cfg.sweep_grid() if cfg.sweep else None,
+            **common,
+        )
+    if cfg.strategy in ("fedfisher-kfac", "fedfisher-diag"):
+        return FedFisherStrategy(
+            cfg.strategy.removeprefix("fedfisher-"), steps=cfg.fedfisher_steps, fisher_kind=cfg.client_fisher_kind(),
+            **common,
+        )
+    return RegMeanStrategy(**common)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Build the data split, the model and the FedFiOT strategy, run it, and report FedFiOT vs FedAvg."""
@@ -114,30 +175,8 @@ def main(grid: Grid, context: Context) -> None:
     test_fn = _evaluator(cfg, eval_model, DataLoader(split.test, batch_size=512), device)
     min_train = max(1, round(cfg.fraction_train * cfg.num_partitions))
 
-    strategy = FedFiOT(
-        spec=permutation_spec(model),
-        model=model,
-        lam=cfg.lam,
-        rho=cfg.rho,
-        max_iters=cfg.max_iters,
-        reference=cfg.reference_value(),
-        matching=cfg.matching,
-        aggregation=cfg.aggregation,
-        fisher_scaling=cfg.fisher_scaling,
-        fallback=cfg.fallback or None,
-        preset=cfg.preset or None,
-        validate_fn=validate_fn,
-        sweep=cfg.sweep_grid() if cfg.sweep else None,
-        fraction_train=cfg.fraction_train,
-        fraction_evaluate=0.0,
-        min_train_nodes=min_train,
-        min_available_nodes=cfg.num_partitions,
-        min_valid_replies=min(cfg.min_valid_replies, min_train),
-        results_path=run_dir / "results.json",
-        checkpoint_dir=run_dir / "checkpoints",
-        run_info={"app": cfg.as_dict(), "run_dir": str(run_dir)},
-    )
-    log(INFO, "FedFiOT app: %s; results in %s", json.dumps(cfg.as_dict()), run_dir)
+    strategy = build_strategy(cfg, model, validate_fn, min_train, run_dir)
+    log(INFO, "FedFiOT app (%s): %s; results in %s", type(strategy).__name__, json.dumps(cfg.as_dict()), run_dir)
 
     train_config = ConfigRecord(
         {
@@ -161,8 +200,9 @@ def main(grid: Grid, context: Context) -> None:
     own = (final.get("own_test") or {}).get("accuracy")
     log(
         INFO,
-        "FINAL test accuracy after %d round(s): FedFiOT %s | FedAvg on the same uploads %s%s | results: %s",
+        "FINAL test accuracy after %d round(s): %s %s | FedAvg on the same uploads %s%s | results: %s",
         cfg.num_server_rounds,
+        STRATEGY_LABELS[cfg.strategy],
         "n/a" if ours is None else f"{100 * ours:.2f}%",
         "n/a" if base is None else f"{100 * base:.2f}%",
         "" if own is None else f" (FedAvg won the validation choice; FedFiOT's own merge: {100 * own:.2f}%)",

@@ -80,7 +80,17 @@ METHOD_LABELS = {
     "fedfiot-own": "FedFiOT default, own merge only",
     "fedfiot-fp32": "FedFiOT, float32 uploads",
     "fedfiot-val": "FedFiOT + validation fallback, size scaling",
+    "fedfisher-diag": "FedFisher (diag)",
+    "fedfisher-kfac": "FedFisher (K-FAC)",
+    "regmean": "RegMean",
 }
+# The paper's curvature baselines (issue 7): they need each client's curvature of its trained model,
+# computed here from the cached trained weights on the client's own unaugmented data and cached next
+# to the uploads. Not in ONE_SHOT_METHODS: FedFisher's 2000 server steps (with a validation pass
+# every 100) and the K-FAC factors of the true Fisher are slow on CPU; select them with --methods.
+CURVATURE_METHODS = ("fedfisher-diag", "fedfisher-kfac", "regmean")
+FEDFISHER_STEPS = 2000
+"""FedFisher's server steps (paper, C.2; checkpoints every 100 steps, scored on validation)."""
 
 
 # ----------------------------------------------------------------------------------- settings
@@ -630,6 +640,254 @@ def model_tools(setting: Setting, split: FederatedSplit) -> tuple[Callable[[], t
     return build, spec, buffers
 
 
+# ------------------------------------------------------------------- curvature baselines
+
+
+def _save_reply(path: Path, reply: RecordDict, extra: Mapping[str, Any]) -> None:
+    """Cache a packed reply: its raw Arrays (the wire payload) and its config/metric records."""
+    meta: dict[str, Any] = {"arrays": {}, "configs": {}, "metrics": {}, **extra}
+    payload: dict[str, np.ndarray] = {}
+    for rname, rec in reply.items():
+        if isinstance(rec, ArrayRecord):
+            meta["arrays"][rname] = {k: {"dtype": a.dtype, "shape": list(a.shape), "stype": a.stype}
+                                     for k, a in rec.items()}
+            payload.update({f"wire/{rname}/{k}": np.frombuffer(a.data, dtype=np.uint8) for k, a in rec.items()})
+        elif isinstance(rec, MetricRecord):
+            meta["metrics"][rname] = dict(rec)
+        else:
+            meta["configs"][rname] = dict(rec)
+    payload["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **payload)
+    os.replace(tmp, path)
+
+
+def _load_reply(path: Path) -> tuple[RecordDict, dict[str, Any]]:
+    from flwr.app import ConfigRecord
+
+    with np.load(path) as data:
+        meta = json.loads(bytes(data["meta"]).decode())
+        content = RecordDict()
+        for rname, arrays in meta["arrays"].items():
+            content[rname] = ArrayRecord({
+                k: Array(dtype=m["dtype"], shape=tuple(m["shape"]), stype=m["stype"],
+                         data=data[f"wire/{rname}/{k}"].tobytes())
+                for k, m in arrays.items()})
+        for rname, values in meta["metrics"].items():
+            content[rname] = MetricRecord(values)
+        for rname, values in meta["configs"].items():
+            content[rname] = ConfigRecord(values)
+    return content, meta
+
+
+@dataclass
+class CurvatureReplies:
+    """One setting's client replies of a curvature baseline.
+
+    Attributes
+    ----------
+    replies : list[RecordDict]
+        Packed replies, exactly as the Flower ClientApp of that strategy sends them.
+    seconds : float
+        Client time spent on the curvature (summed; as measured when computed, also from the cache).
+    cached : bool
+        Whether every reply came from the disk cache (or is the FedFiOT upload itself).
+    """
+
+    replies: list[RecordDict]
+    seconds: float
+    cached: bool
+
+
+def curvature_replies(
+    method: str,
+    setting: Setting,
+    split: FederatedSplit,
+    uploads: Uploads,
+    build: Callable[[], torch.nn.Module],
+    fisher_kind: str = "true",
+    cache_dir: Path | None = CACHE_DIR,
+    device: torch.device | None = None,
+    log: Callable[[str], None] = logger.info,
+) -> CurvatureReplies:
+    """Every client's reply for ``method``, from its cached trained weights (float32) and its own data.
+
+    The curvature is computed as the ClientApp computes it
+    (:func:`fedfiot_flwr.baselines.pack_upload`, on the client's examples without augmentation,
+    batches of 1000) and cached as ``client<k>-<method>[-<kind>].npz`` next to the uploads.
+    ``fedfisher-diag`` with the empirical Fisher is FedFiOT's upload itself (nothing to compute).
+    """
+    from fedfiot_flwr.baselines import pack_upload
+
+    if method not in CURVATURE_METHODS:
+        raise ValueError(f"unknown curvature method {method!r}; choose from {CURVATURE_METHODS}")
+    if method == "fedfisher-diag" and fisher_kind == "empirical":
+        return CurvatureReplies(list(uploads.replies), uploads.fisher_seconds, True)
+    device = device or default_device()
+    tag = method if method == "regmean" else f"{method}-{fisher_kind}"
+    tag = tag.replace("fedfisher-kfac", "kfac").replace("regmean", "gram").replace("fedfisher-diag", "diag")
+    replies: list[RecordDict] = []
+    seconds, cached = 0.0, True
+    for pid in range(setting.clients):
+        path = None if cache_dir is None else Path(cache_dir) / setting.cache_key() / f"client{pid}-{tag}.npz"
+        if path is not None and path.is_file():
+            reply, meta = _load_reply(path)
+            replies.append(reply)
+            seconds += float(meta["seconds"])
+            continue
+        cached = False
+        model = load_numpy(build(), uploads.float32.weights[pid])
+        loader = DataLoader(split.client_eval(pid), batch_size=1000)
+        t0 = time.perf_counter()
+        reply = pack_upload(method, model, loader, num_examples=len(split.client_indices[pid]),
+                            metrics=uploads.quantized.metrics[pid], fisher_kind=fisher_kind, device=device)
+        dt = time.perf_counter() - t0
+        log(f"  client {pid}: {method} curvature ({fisher_kind if method != 'regmean' else 'Gram'}) {dt:.1f}s")
+        if path is not None:
+            _save_reply(path, reply, {"seconds": dt, "method": method, "fisher_kind": fisher_kind})
+        replies.append(reply)
+        seconds += dt
+    return CurvatureReplies(replies, seconds, cached)
+
+
+@dataclass
+class CurvatureMethodResult:
+    """A curvature baseline's chosen model on one setting (the same record keys as :class:`MethodResult`)."""
+
+    method: str
+    model: Model
+    validation_accuracy: float
+    knobs: dict[str, Any]
+    merge_seconds: float
+    candidates: int
+    upload_bytes: float
+    curvature_bytes: float
+    fedavg_bytes: int
+    curvature_seconds: float
+    curvature_cached: bool
+    fisher_kind: str | None
+    test_accuracy: float = math.nan
+    test_loss: float = math.nan
+    test_seconds: float = 0.0
+
+    @property
+    def upload(self) -> str:
+        """The upload this method merged (the record's ``upload`` field)."""
+        return {"fedfisher-diag": "q16 weights + Fisher", "fedfisher-kfac": "q16 weights + 8-bit K-FAC",
+                "regmean": "q16 weights + 8-bit Grams"}[self.method]
+
+    def record(self) -> dict[str, Any]:
+        """JSON-friendly summary (no model)."""
+        return {
+            "method": self.method, "test_accuracy": self.test_accuracy, "test_loss": self.test_loss,
+            "validation_accuracy": self.validation_accuracy, "knobs": self.knobs, "fraction_permuted": 0.0,
+            "alignment_fraction_permuted": 0.0, "merge_seconds": self.merge_seconds,
+            "sweep_seconds": self.merge_seconds, "candidates": self.candidates, "test_seconds": self.test_seconds,
+            "upload_bytes": self.upload_bytes, "curvature_bytes": self.curvature_bytes,
+            "fedavg_bytes": self.fedavg_bytes, "curvature_seconds": self.curvature_seconds,
+            "curvature_cached": self.curvature_cached, "fisher_kind": self.fisher_kind,
+        }
+
+
+def curvature_strategy(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str = "true",
+                       buffers: Sequence[str] = (), device: torch.device | None = None) -> Any:
+    """The Flower strategy of ``method`` (used here for its ``collect`` and ``merge_uploads`` only)."""
+    from fedfiot_flwr.baselines import FedFisherStrategy, RegMeanStrategy
+
+    # fraction_evaluate only silences FedAvg's "evaluation will be skipped" warning: start() is never called.
+    common = dict(buffers=buffers, baseline=False, min_valid_replies=1, fraction_evaluate=1.0)
+    if method == "regmean":
+        return RegMeanStrategy(**common)
+    variant = {"fedfisher-kfac": "kfac", "fedfisher-diag": "diag"}[method]
+    return FedFisherStrategy(variant, steps=steps, fisher_kind=fisher_kind, device=device, **common)
+
+
+def curvature_knobs(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str = "true") -> str:
+    """Human-readable description of a curvature baseline's selection (for the grids list)."""
+    if method == "regmean":
+        return "alpha [0.1, 0.9] (off-diagonal Gram scaling) [q16 weights + 8-bit rank-capped Grams, <= FedAvg bytes]"
+    return (f"checkpoint every 100 of {steps} steps (FedFisher's update rule, lr 0.01, size-weighted), "
+            f"{fisher_kind} Fisher" + (" [q16 weights + 8-bit rank-capped K-FAC, <= FedAvg bytes]"
+                                        if method == "fedfisher-kfac" else " [q16 weights + Fisher]"))
+
+
+def apply_curvature_method(
+    method: str,
+    setting: Setting,
+    split: FederatedSplit,
+    uploads: Uploads,
+    build: Callable[[], torch.nn.Module],
+    buffers: Sequence[str],
+    validate: Callable[[Model], Mapping[str, float]],
+    steps: int = FEDFISHER_STEPS,
+    fisher_kind: str = "true",
+    cache_dir: Path | None = CACHE_DIR,
+    device: torch.device | None = None,
+    log: Callable[[str], None] = logger.info,
+) -> CurvatureMethodResult:
+    """Merge one setting with a curvature baseline, selecting on validation accuracy.
+
+    The replies (:func:`curvature_replies`) go through the Flower strategy's own ``collect``
+    (unpack, dequantize, validate) and ``merge_uploads`` (FedFisher: best checkpoint;
+    RegMean: best alpha), so the benchmark merges exactly what the app would.
+    """
+    from fedfiot_flwr.baselines.wire import fedavg_payload_bytes
+
+    cr = curvature_replies(method, setting, split, uploads, build, fisher_kind, cache_dir, device, log)
+    strategy = curvature_strategy(method, steps, fisher_kind, buffers, device)
+    ids = [str(i) for i in range(len(cr.replies))]
+    expected = {k: tuple(v.shape) for k, v in uploads.float32.weights[0].items()}
+    collected = strategy.collect(list(zip(ids, cr.replies)), expected_shapes=expected)
+    if collected.rejections:
+        raise ValueError(f"{method} uploads rejected: {[vars(r) for r in collected.rejections]}")
+    outcome = strategy.merge_uploads(collected, lambda m: float(validate(m)["accuracy"]))
+    chosen = dict(outcome.chosen)
+    chosen["swept"] = ["alpha"] if method == "regmean" else ["best_step"]
+    candidates = (len(strategy.alphas) if method == "regmean"
+                  else len(outcome.record.get("history", [])))
+    curv = getattr(collected, "curvature_bytes_per_client", {})
+    return CurvatureMethodResult(
+        method=method, model=outcome.model, validation_accuracy=float(validate(outcome.model)["accuracy"]),
+        knobs=chosen, merge_seconds=outcome.seconds, candidates=candidates,
+        upload_bytes=float(np.mean(list(collected.bytes_per_client.values()))),
+        curvature_bytes=float(np.mean(list(curv.values()))) if curv else 0.0,
+        fedavg_bytes=fedavg_payload_bytes(uploads.float32.weights[0]),
+        curvature_seconds=cr.seconds, curvature_cached=cr.cached,
+        fisher_kind=None if method == "regmean" else fisher_kind,
+    )
+
+
+def upload_table(records: Sequence[Mapping[str, Any]], summaries: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: array payload per client of each curvature baseline next to FedAvg's float32 upload.
+
+    Bytes are the Arrays' payload (``len(array.data)``, Flower's record headers excluded),
+    averaged over clients and settings.
+    """
+    curv = [r for r in records if "upload_bytes" in r]
+    if not curv:
+        return ""
+    fedavg = float(np.mean([r["fedavg_bytes"] for r in curv]))
+    lines = ["| method | upload per client (bytes) | of which curvature | vs FedAvg float32 | client curvature time (s) |",
+             "|---|---|---|---|---|",
+             f"| FedAvg (float32 weights) | {fedavg:,.0f} | – | 1.00x | – |"]
+    ours = [s["fedfiot_upload_bytes"] for s in summaries if "fedfiot_upload_bytes" in s]
+    if ours:
+        lines.append(f"| FedFiOT (16-bit weights + Fisher) | {np.mean(ours):,.0f} | ≈{np.mean(ours) / 2:,.0f} (Fisher) | "
+                     f"{np.mean(ours) / fedavg:.2f}x | – |")
+    for method in CURVATURE_METHODS:
+        rs = [r for r in curv if r["method"] == method]
+        if not rs:
+            continue
+        up, cb = float(np.mean([r["upload_bytes"] for r in rs])), float(np.mean([r["curvature_bytes"] for r in rs]))
+        kind = rs[0].get("fisher_kind")
+        label = METHOD_LABELS[method] + (f", {kind} Fisher" if kind else "")
+        cbt = f"{cb:,.0f}" if method != "fedfisher-diag" else f"≈{up / 2:,.0f} (Fisher)"
+        lines.append(f"| {label} | {up:,.0f} | {cbt} | {up / fedavg:.2f}x | "
+                     f"{np.mean([r['curvature_seconds'] for r in rs]):.1f} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- tables, files
 
 
@@ -753,6 +1011,10 @@ def knob_text(knobs: Mapping[str, Any]) -> str:
         parts.append(f"scale={knobs['fisher_scaling']}")
     if knobs.get("variant") == "identity" and knobs.get("aligning", False):
         parts.append("identity")
+    if "alpha" in swept:  # RegMean
+        parts.append(f"α={knobs['alpha']:g}")
+    if "best_step" in swept:  # FedFisher
+        parts.append(f"step {knobs['best_step']}")
     return ", ".join(parts) or "–"
 
 
@@ -798,7 +1060,9 @@ def replace_setting(setting: Setting, **changes: Any) -> Setting:
 
 
 __all__ = [
-    "CACHE_DIR", "DEFAULT_MODELS", "EXTRA_METHODS", "Evaluator", "GRIDS", "METHOD_LABELS", "MethodPlan",
+    "CACHE_DIR", "CURVATURE_METHODS", "CurvatureMethodResult", "CurvatureReplies", "DEFAULT_MODELS",
+    "FEDFISHER_STEPS", "apply_curvature_method", "curvature_knobs", "curvature_replies", "curvature_strategy",
+    "upload_table", "EXTRA_METHODS", "Evaluator", "GRIDS", "METHOD_LABELS", "MethodPlan",
     "MethodResult", "ONE_SHOT_METHODS", "RESULTS_DIR", "Setting", "Uploads", "accuracy_table", "apply_method",
     "client_seed", "collect", "command_line", "fedfiot_alignment_fraction", "flower_fedavg", "fraction_table",
     "knob_table", "load_numpy", "machine_description", "mean_std", "method_plans", "model_tools",

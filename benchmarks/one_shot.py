@@ -59,7 +59,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--methods", nargs="+", default=list(H.ONE_SHOT_METHODS),
-                   help=f"rows of the table; also available: {list(H.EXTRA_METHODS)}")
+                   help=f"rows of the table; also available: {list(H.EXTRA_METHODS)} and the curvature "
+                        f"baselines {list(H.CURVATURE_METHODS)} (slow on CPU: the clients' curvature is computed "
+                        "from the cached trained weights, and FedFisher runs --fedfisher-steps server steps)")
+    p.add_argument("--fedfisher-steps", type=int, default=H.FEDFISHER_STEPS,
+                   help="FedFisher's server steps, validation every 100 (default: the paper's 2000; each step is "
+                        "cheap, but the validation passes and, for K-FAC, the factors add up on CPU)")
+    p.add_argument("--fisher-kind", choices=("true", "empirical"), default="true",
+                   help="Fisher of the FedFisher baselines (default: true, as FedFisher's code; 'empirical' "
+                        "makes fedfisher-diag reuse FedFiOT's uploads)")
     p.add_argument("--grid", choices=sorted(H.GRIDS), default="paper",
                    help="rho x lam grid of FedFiOT and the ablations (paper: 6 x 3; small: 3 x 2; tiny: 1 x 2)")
     p.add_argument("--no-broadcast-reference", action="store_true",
@@ -120,7 +128,8 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, state: dict[str, A
         "upload_seconds_this_run": load_seconds,
         "client_train_accuracy": [m.get("train-accuracy") for m in uploads.quantized.metrics],
     }
-    plans = H.method_plans(args.methods, setting.init, args.grid, not args.no_broadcast_reference)
+    plans = H.method_plans([m for m in args.methods if m not in H.CURVATURE_METHODS], setting.init, args.grid,
+                           not args.no_broadcast_reference)
     merge_total = test_total = 0.0
     records = []
     for plan in plans:
@@ -147,6 +156,23 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, state: dict[str, A
         log(f"  {plan.name:13s} test {100 * res.test_accuracy:5.1f}%  val {100 * res.validation_accuracy:5.1f}%  "
             f"{H.knob_text(res.knobs):32s} permuted {100 * res.fraction_permuted:4.1f}%  "
             f"{res.candidates} cand. {res.sweep_seconds:.1f}s")
+    curvature_methods = [m for m in args.methods if m in H.CURVATURE_METHODS]
+    if curvature_methods:  # FedFiOT's upload size, for the upload table
+        summary["fedfiot_upload_bytes"] = float(np.mean([sum(len(a.data) for a in r["fedfiot"].values())
+                                                         for r in uploads.replies]))
+    for method in curvature_methods:
+        cres = H.apply_curvature_method(
+            method, setting, split, uploads, build, buffers, ev.validate, args.fedfisher_steps, args.fisher_kind,
+            None if args.no_cache else args.cache_dir, state["device"], log)
+        t1 = time.perf_counter()
+        cres.test_loss, cres.test_accuracy = ev.test(cres.model)
+        cres.test_seconds = time.perf_counter() - t1
+        merge_total += cres.merge_seconds
+        test_total += cres.test_seconds
+        records.append({**base, **cres.record(), "upload": cres.upload})
+        log(f"  {method:13s} test {100 * cres.test_accuracy:5.1f}%  val {100 * cres.validation_accuracy:5.1f}%  "
+            f"{H.knob_text(cres.knobs):32s} upload {cres.upload_bytes / cres.fedavg_bytes:.2f}x FedAvg  "
+            f"curvature {cres.curvature_seconds:.1f}s  merge {cres.merge_seconds:.1f}s")
     summary.update(merge_sweep_seconds=merge_total, test_seconds=test_total)
     return {"summary": summary, "records": records}
 
@@ -208,6 +234,12 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
     ]
     for name, knobs in payload["grids"].items():
         lines.append(f"- {H.METHOD_LABELS.get(name, name)}: {knobs}")
+    uploads = H.upload_table(recs, sums)
+    if uploads:
+        lines += ["", "## Upload size per client", "", uploads, "",
+                  "Array payload (`len(array.data)`, Flower's record headers excluded), mean over clients and "
+                  "settings. K-FAC factors and Grams are 8-bit, low rank, with the largest shared rank that keeps "
+                  "the upload within FedAvg's (`rank=\"fedavg\"`)."]
     lines += ["", "## Per setting", "",
               "| setting | seed | client sizes | uploads | train (s) | Fisher (s) | merge+sweep (s) | test eval (s) "
               "| FedAvg vs Flower max abs diff |",
@@ -342,10 +374,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "methods": list(args.methods),
         "grid": args.grid,
-        "grids": {p.name: p.knobs() for p in H.method_plans(args.methods, "shared", args.grid,
-                                                            not args.no_broadcast_reference)},
+        "grids": {p.name: p.knobs() for p in H.method_plans([m for m in args.methods if m not in H.CURVATURE_METHODS],
+                                                            "shared", args.grid, not args.no_broadcast_reference)},
         "settings": [], "records": [], "skipped": [],
     }
+    for m in args.methods:
+        if m in H.CURVATURE_METHODS:
+            payload["grids"][m] = H.curvature_knobs(m, args.fedfisher_steps, args.fisher_kind)
     state: dict[str, Any] = {"device": default_device()}
     args.out.mkdir(parents=True, exist_ok=True)
     for dataset in args.datasets:

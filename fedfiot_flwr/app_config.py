@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from .data import FederatedSplit
 
 INITS = ("shared", "independent")
+STRATEGIES = ("fedfiot", "fedfisher-kfac", "fedfisher-diag", "regmean")
+"""Values of the ``strategy`` key: FedFiOT or one of the paper's one-shot baselines."""
+FISHER_KINDS = ("true", "empirical")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,13 @@ class AppConfig:
         The merge (see :class:`fedfiot_flwr.FedFiOT`).
     sweep, sweep_rho, sweep_lam, sweep_reference, sweep_fisher_scaling
         Server-side selection on the validation set over the grid (comma-separated lists).
+    strategy, fisher_kind, fedfisher_steps
+        The aggregation: ``fedfiot`` (default) or a baseline, ``fedfisher-kfac``,
+        ``fedfisher-diag`` (:class:`fedfiot_flwr.baselines.FedFisherStrategy`) or ``regmean``
+        (:class:`fedfiot_flwr.baselines.RegMeanStrategy`); the clients send the matching upload.
+        ``fisher_kind`` is the clients' Fisher (``true`` | ``empirical``; empty: the strategy's
+        own, ``empirical`` for FedFiOT, eq. 106, and ``true`` for FedFisher, as its code);
+        ``fedfisher_steps`` the FedFisher server optimisation's length (paper: 2000).
     results_dir, run_name
         Results land in ``results_dir/run_name/`` (``results.json``, ``checkpoints/``); an empty
         ``run_name`` is derived from the settings and the time. A relative ``results_dir`` is
@@ -93,6 +103,9 @@ class AppConfig:
     sweep_lam: str = "1e-3,1e-4,1e-5"
     sweep_reference: str = "largest,broadcast"
     sweep_fisher_scaling: str = ""
+    strategy: str = "fedfiot"
+    fisher_kind: str = ""
+    fedfisher_steps: int = 2000
     results_dir: str = "results"
     run_name: str = ""
 
@@ -128,6 +141,12 @@ class AppConfig:
             raise bad("reference", f"must be one of {REFERENCES} or a client index")
         if self.min_valid_replies < 1:
             raise bad("min-valid-replies", "must be >= 1")
+        if self.strategy not in STRATEGIES:
+            raise bad("strategy", f"must be one of {STRATEGIES}")
+        if self.fisher_kind and self.fisher_kind not in FISHER_KINDS:
+            raise bad("fisher-kind", f"must be one of {FISHER_KINDS} or empty (the strategy's own)")
+        if self.fedfisher_steps < 0:
+            raise bad("fedfisher-steps", "must be >= 0")
         self.sweep_grid()  # validates the lists
 
     @classmethod
@@ -193,6 +212,10 @@ class AppConfig:
         """``reference`` as the strategy expects it (a client index becomes an int)."""
         return int(self.reference) if self.reference.isdigit() else self.reference
 
+    def client_fisher_kind(self) -> str:
+        """The Fisher kind the clients compute: ``fisher_kind``, or the strategy's own when empty."""
+        return self.fisher_kind or ("empirical" if self.strategy == "fedfiot" else "true")
+
     def sweep_grid(self) -> SweepGrid:
         """The selection grid from the ``sweep-*`` lists."""
         refs = parse_str_list(self.sweep_reference, "sweep-reference")
@@ -215,7 +238,7 @@ class AppConfig:
         """``results_dir/run_name`` (run name derived from the settings when empty)."""
         name = self.run_name or (
             f"{self.dataset}-{self.model}-K{self.num_partitions or 'auto'}-a{self.alpha:g}-T{self.num_server_rounds}-"
-            f"{self.init}-{time.strftime('%Y%m%d-%H%M%S')}"
+            f"{self.init}{'' if self.strategy == 'fedfiot' else '-' + self.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
         return Path(self.results_dir).expanduser() / name
 

@@ -1,0 +1,333 @@
+"""FedFisher and RegMean as Flower strategies: aggregation equals the core merges, broken replies
+are excluded and named, the app's ``strategy`` key builds the right pair, the benchmark runs them."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
+from _fedfiot_helpers import SHAPES, FakeGrid, instruction, reply
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
+from torch import nn
+
+from fedfiot_flwr import FedFiOT
+from fedfiot_flwr.app_config import AppConfig
+from fedfiot_flwr.baselines import (
+    FedFisherStrategy,
+    RegMeanStrategy,
+    fedfisher_diag,
+    fedfisher_kfac,
+    pack_upload,
+    regmean_select,
+)
+from fedfiot_flwr.baselines.wire import FACTOR_PREFIX, fedavg_payload_bytes, unpack_curvature_reply
+from fedfiot_flwr.client import unpack_reply
+from fedfiot_flwr.strategy import arrays_to_numpy, numpy_to_arrays
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+class Tiny(nn.Module):
+    """The helpers' MLP (``SHAPES``) as a torch module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(4, 6), nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def _clients(k: int, seed: int = 0) -> list[tuple[Tiny, list[tuple[torch.Tensor, torch.Tensor]], int]]:
+    """``k`` (model, unaugmented batches, n) triples: perturbed copies of one init, own data."""
+    torch.manual_seed(seed)
+    base = Tiny()
+    out = []
+    for i in range(k):
+        model = Tiny()
+        model.load_state_dict({n: v + 0.3 * torch.randn_like(v) for n, v in base.state_dict().items()})
+        n = 16 + 8 * i
+        x, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
+        out.append((model, [(x[j : j + 8], y[j : j + 8]) for j in range(0, n, 8)], n))
+    return out
+
+
+def _replies(kind: str, k: int = 3, seed: int = 0, first_node: int = 1) -> list[Message]:
+    return [reply(first_node + i, pack_upload(kind, m, data, num_examples=n, metrics={"train-loss": 1.0},
+                                              device="cpu"))
+            for i, (m, data, n) in enumerate(_clients(k, seed))]
+
+
+def _validate(server_round: int, arrays: ArrayRecord):  # noqa: ANN202
+    """A deterministic score with an interior optimum (so selection matters)."""
+    from flwr.app import MetricRecord
+
+    m = arrays_to_numpy(arrays)
+    d = sum(float(np.sum((m[k] - 0.05) ** 2)) for k in SHAPES)
+    return MetricRecord({"accuracy": 1.0 / (1.0 + d), "loss": d})
+
+
+def _score(model: dict[str, np.ndarray]) -> float:
+    return float(_validate(1, numpy_to_arrays(model, list(SHAPES)))["accuracy"])
+
+
+def _broadcast(strategy) -> None:  # noqa: ANN001
+    strategy._broadcast = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+
+
+def _assert_same(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert list(got) == list(SHAPES)
+    for k in SHAPES:
+        np.testing.assert_allclose(got[k], expected[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+# ----------------------------------------------------------------- aggregate_train == core merge
+
+
+def test_fedfisher_kfac_aggregate_train_equals_the_core_merge(tmp_path: Path) -> None:
+    replies = _replies("fedfisher-kfac")
+    strategy = FedFisherStrategy("kfac", steps=30, eval_every=10, validate_fn=_validate, fisher_kind="true",
+                                 baseline=False, results_path=tmp_path / "r.json", device="cpu")
+    _broadcast(strategy)
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    ups = [unpack_curvature_reply(m.content) for m in replies]
+    expected = fedfisher_kfac([u.weights for u in ups], [u.factors for u in ups], [u.num_examples for u in ups],
+                              steps=30, eval_every=10, evaluate=_score, device="cpu")
+    _assert_same(arrays_to_numpy(arrays), expected.model)
+    assert metrics["num-valid"] == 3 and metrics["num-rejected"] == 0 and metrics["best-step"] == expected.best_step
+    rec = json.loads((tmp_path / "r.json").read_text())["rounds"][0]
+    assert rec["fisher_kind"] == "true" and rec["best_step"] == expected.best_step
+    assert rec["chosen"]["best_step"] == expected.best_step and len(rec["history"]) == 4
+    assert rec["validation"]["accuracy"] == pytest.approx(_score(expected.model))
+    # The upload stays within FedAvg's float32 payload of the same model.
+    assert set(rec["bytes_per_client"]) == {"1", "2", "3"}
+    assert all(b <= rec["fedavg_bytes_per_client"] for b in rec["bytes_per_client"].values())
+    assert rec["fedavg_bytes_per_client"] == fedavg_payload_bytes(ups[0].weights)
+    assert all(b > 0 for b in rec["curvature_bytes_per_client"].values())
+
+
+def test_fedfisher_diag_aggregate_train_equals_the_core_merge() -> None:
+    replies = _replies("fedfisher-diag", seed=1)
+    strategy = FedFisherStrategy("diag", steps=20, eval_every=5, validate_fn=_validate, fisher_kind="true",
+                                 device="cpu")
+    _broadcast(strategy)
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    ups = [unpack_reply(m.content) for m in replies]
+    expected = fedfisher_diag([u.weights for u in ups], [u.fisher for u in ups], [u.num_examples for u in ups],
+                              steps=20, eval_every=5, evaluate=_score, device="cpu")
+    _assert_same(arrays_to_numpy(arrays), expected.model)
+    assert metrics["best-step"] == expected.best_step
+    # FedAvg of the same uploads is recorded next to it (baseline=True by default).
+    assert "fedavg-val-accuracy" in metrics and strategy.results.data["rounds"][0]["fisher_kind"] == "true"
+
+
+def test_regmean_aggregate_train_equals_the_core_merge() -> None:
+    replies = _replies("regmean", seed=2)
+    strategy = RegMeanStrategy(alphas=(0.1, 0.9), validate_fn=_validate, baseline=False)
+    _broadcast(strategy)
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    ups = [unpack_curvature_reply(m.content) for m in replies]
+    expected = regmean_select([u.weights for u in ups], [u.grams for u in ups], [u.num_examples for u in ups],
+                              _score, alphas=(0.1, 0.9))
+    _assert_same(arrays_to_numpy(arrays), expected.model)
+    assert metrics["alpha"] == expected.alpha
+    rec = strategy.results.data["rounds"][0]
+    assert rec["chosen"] == {"alpha": expected.alpha} and set(rec["alpha_scores"]) == {"0.1", "0.9"}
+    assert rec["merged_layers"] == ["fc1", "fc2", "fc3"]
+
+
+# ---------------------------------------------------------------------- broken replies
+
+
+def _nan_scale(content: RecordDict, key: str) -> RecordDict:
+    arr = content["fedfiot"][key]
+    data = struct.pack("<f", float("nan")) + arr.data[4:]
+    content["fedfiot"][key] = Array(dtype=arr.dtype, shape=tuple(arr.shape), stype=arr.stype, data=data)
+    return content
+
+
+def test_broken_replies_are_excluded_and_named(tmp_path: Path) -> None:
+    good = _replies("fedfisher-kfac", k=3, seed=3)
+    broken_factor = _replies("fedfisher-kfac", k=1, seed=4, first_node=11)[0]
+    _nan_scale(broken_factor.content, f"{FACTOR_PREFIX}fc2/G")
+    wrong_kind = _replies("regmean", k=1, seed=5, first_node=12)[0]
+    truncated = _replies("fedfisher-kfac", k=1, seed=6, first_node=13)[0]
+    arr = truncated.content["fedfiot"][f"{FACTOR_PREFIX}fc1/A"]
+    truncated.content["fedfiot"][f"{FACTOR_PREFIX}fc1/A"] = Array(dtype=arr.dtype, shape=tuple(arr.shape),
+                                                                  stype=arr.stype, data=arr.data[:-3])
+    crashed = Message(Error(code=1, reason="client crashed"), reply_to=instruction(14))
+    strategy = FedFisherStrategy("kfac", steps=10, eval_every=5, baseline=False, device="cpu",
+                                 results_path=tmp_path / "r.json")
+    _broadcast(strategy)
+    arrays, metrics = strategy.aggregate_train(1, [broken_factor, good[0], wrong_kind, good[1], truncated, good[2],
+                                                   crashed])
+    ups = [unpack_curvature_reply(m.content) for m in good]
+    expected = fedfisher_kfac([u.weights for u in ups], [u.factors for u in ups], [u.num_examples for u in ups],
+                              steps=10, eval_every=5, device="cpu")
+    _assert_same(arrays_to_numpy(arrays), expected.model)
+    assert metrics["num-valid"] == 3 and metrics["num-rejected"] == 4
+    rejected = {r["client"]: r["reason"] for r in json.loads((tmp_path / "r.json").read_text())["rounds"][0]["rejected"]}
+    assert set(rejected) == {"11", "12", "13", "14"}
+    assert "curvature/fc2/G" in rejected["11"] and "client 11" in rejected["11"]
+    assert "'gram'" in rejected["12"] and "'kfac'" in rejected["12"]
+    assert "curvature/fc1/A" in rejected["13"] and "bytes" in rejected["13"]
+    assert "client crashed" in rejected["14"]
+
+
+def test_too_few_valid_replies_fail_the_round_and_mark_the_results(tmp_path: Path) -> None:
+    good = _replies("regmean", k=1, seed=7)
+    bad = _replies("regmean", k=1, seed=8, first_node=2)[0]
+    _nan_scale(bad.content, "fc1.weight")
+    strategy = RegMeanStrategy(min_train_nodes=2, results_path=tmp_path / "r.json")
+    _broadcast(strategy)
+    with pytest.raises(RuntimeError, match=r"RegMean round 1: only 1 valid replies, at least 2 needed.*client 2"):
+        strategy.aggregate_train(1, [good[0], bad])
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["status"] == "failed" and data["rounds"][0]["rejected"][0]["client"] == "2"
+
+
+def test_fedfisher_rejects_a_fisher_kind_other_than_the_configured_one() -> None:
+    (m, data, n), = _clients(1)
+    content = pack_upload("fedfisher-kfac", m, data, num_examples=n, fisher_kind="empirical", device="cpu")
+    strategy = FedFisherStrategy("kfac", steps=1, fisher_kind="true", min_valid_replies=1)
+    uploads = strategy.collect([("5", content)])
+    assert len(uploads) == 0 and "'empirical'" in uploads.rejections[0].reason
+
+
+def test_start_runs_a_round_and_writes_results_and_checkpoints(tmp_path: Path) -> None:
+    clients = {101 + i: c for i, c in enumerate(_clients(3, seed=9))}
+
+    def client_fn(node: int, msg: Message) -> Message:
+        model, data, n = clients[node]
+        return Message(content=pack_upload("regmean", model, data, num_examples=n, device="cpu"), reply_to=msg)
+
+    strategy = RegMeanStrategy(validate_fn=_validate, min_train_nodes=3, min_available_nodes=3,
+                               results_path=tmp_path / "results.json", checkpoint_dir=tmp_path / "ckpt",
+                               run_info={"app": {"x": 1}})
+    init = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    result = strategy.start(grid=FakeGrid(list(clients), client_fn), initial_arrays=numpy_to_arrays(init),
+                            num_rounds=1, train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=_validate)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["status"] == "finished" and data["config"]["strategy"] == "RegMeanStrategy"
+    assert data["config"]["app"] == {"x": 1} and data["config"]["alphas"] == [0.1, 0.9]
+    final = data["final"]
+    assert final["test"]["accuracy"] > 0 and final["fedavg_test"]["accuracy"] > 0 and "alpha" in final["chosen"]
+    saved = torch.load(tmp_path / "ckpt" / "final.pt")
+    for k in SHAPES:
+        np.testing.assert_array_equal(saved[k].numpy(), result.arrays[k].numpy())
+    assert (tmp_path / "ckpt" / "round-001.pt").exists()
+
+
+def test_bad_options_are_rejected() -> None:
+    with pytest.raises(ValueError, match="variant"):
+        FedFisherStrategy("full")
+    with pytest.raises(ValueError, match="fisher_kind"):
+        FedFisherStrategy("kfac", fisher_kind="exact")
+    with pytest.raises(ValueError, match="steps"):
+        FedFisherStrategy("kfac", steps=-1)
+    with pytest.raises(ValueError, match="alphas"):
+        RegMeanStrategy(alphas=(1.5,))
+    with pytest.raises(ValueError, match="unknown strategy"):
+        pack_upload("fedprox", Tiny(), [])
+
+
+# ------------------------------------------------------------------------------------ the app
+
+
+def test_strategy_key_builds_the_right_server_strategy(tmp_path: Path) -> None:
+    import server_app
+
+    model = Tiny()
+    built = {}
+    for key in ("fedfiot", "fedfisher-kfac", "fedfisher-diag", "regmean"):
+        cfg = AppConfig.from_run_config({"strategy": key, "num-partitions": 3, "fedfisher-steps": 50})
+        built[key] = server_app.build_strategy(cfg, model, _validate, 3, tmp_path / key)
+    assert type(built["fedfiot"]) is FedFiOT
+    assert isinstance(built["fedfisher-kfac"], FedFisherStrategy) and built["fedfisher-kfac"].variant == "kfac"
+    assert built["fedfisher-diag"].variant == "diag" and built["fedfisher-diag"].steps == 50
+    assert built["fedfisher-kfac"].fisher_kind == "true"  # FedFisher's own default
+    assert isinstance(built["regmean"], RegMeanStrategy)
+    for key, s in built.items():
+        assert s.min_valid_replies == 2 and s.results_path == tmp_path / key / "results.json"
+    assert AppConfig(strategy="fedfisher-kfac", fisher_kind="empirical").client_fisher_kind() == "empirical"
+    assert AppConfig().client_fisher_kind() == "empirical" and AppConfig().strategy == "fedfiot"
+    with pytest.raises(ValueError, match="'strategy'"):
+        AppConfig.from_run_config({"strategy": "fedprox"})
+    with pytest.raises(ValueError, match="'fisher-kind'"):
+        AppConfig.from_run_config({"fisher-kind": "exact"})
+
+
+@pytest.mark.parametrize("key", ["fedfisher-kfac", "fedfisher-diag", "regmean"])
+def test_client_app_sends_the_upload_its_strategy_reads(key: str) -> None:
+    import client_app
+
+    run_config = {"strategy": key, "num-partitions": 2, "local-epochs": 1, "validation-size": 100}
+    cfg = AppConfig.from_run_config(run_config)
+    split = cfg.split()
+    model = cfg.build_model(split)
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "config": ConfigRecord({"server-round": 1})})
+    msg = Message(content=content, dst_node_id=7, message_type=MessageType.TRAIN)
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
+                      run_config=run_config)
+    out = client_app.train(msg, context).content
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    strategy = server_collector(key, model)
+    uploads = strategy.collect([("7", out)], expected_shapes=shapes)
+    assert len(uploads) == 1, [r.reason for r in uploads.rejections]
+    assert uploads.num_examples == [len(split.client_indices[1])]
+    if key == "fedfisher-kfac":
+        assert uploads.fisher_kinds == ["true"] and set(uploads.factors[0]) == {"fc1", "fc2", "fc3"}
+    if key == "regmean":
+        assert uploads.fisher_kinds == [None] and set(uploads.grams[0]) == {"fc1", "fc2", "fc3"}
+    if key != "fedfisher-diag":
+        assert uploads.bytes_per_client["7"] <= fedavg_payload_bytes(model.state_dict())
+    # The trained weights differ from the broadcast model (the client did train).
+    assert not np.allclose(uploads.weights[0]["fc1.weight"], model.state_dict()["fc1.weight"].numpy())
+
+
+def server_collector(key: str, model: nn.Module):  # noqa: ANN201
+    if key == "regmean":
+        return RegMeanStrategy(model=model)
+    return FedFisherStrategy(key.removeprefix("fedfisher-"), model=model)
+
+
+# ------------------------------------------------------------------------------- benchmark
+
+
+def test_benchmark_runs_the_baselines_on_digits(tmp_path: Path) -> None:
+    from benchmarks import harness as H
+    from benchmarks import one_shot
+
+    methods = ["fedavg", *H.CURVATURE_METHODS]
+    argv = ["--quick", "--inits", "shared", "--methods", *methods, "--fedfisher-steps", "20", "--out",
+            str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--quiet", "--no-plots"]
+    payload = one_shot.main(argv)
+    got = {r["method"]: r for r in payload["records"]}
+    assert sorted(got) == sorted(methods)
+    for m in H.CURVATURE_METHODS:
+        assert math.isfinite(got[m]["test_accuracy"]) and 0.0 <= got[m]["test_accuracy"] <= 1.0, m
+        assert got[m]["upload_bytes"] > 0 and got[m]["fedavg_bytes"] > 0
+    assert got["fedfisher-kfac"]["upload_bytes"] <= got["fedfisher-kfac"]["fedavg_bytes"]
+    assert got["regmean"]["knobs"]["alpha"] in (0.1, 0.9)
+    assert 0 <= got["fedfisher-kfac"]["knobs"]["best_step"] <= 20
+    md = (tmp_path / "out" / "one_shot.md").read_text()
+    assert "## Upload size per client" in md and "| FedFisher (K-FAC) |" in md
+    # The curvature is cached next to the uploads; a second run reads it back.
+    cached = sorted(p.name for p in (tmp_path / "cache").rglob("*.npz"))
+    assert any("kfac" in n for n in cached) and any("gram" in n for n in cached)
+    again = one_shot.main(argv)
+    twin = {r["method"]: r for r in again["records"]}
+    for m in H.CURVATURE_METHODS:
+        assert twin[m]["test_accuracy"] == got[m]["test_accuracy"] and twin[m]["curvature_cached"]
