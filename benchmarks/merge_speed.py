@@ -99,7 +99,19 @@ def paper_cnn(repeats: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small widths only (smoke run)")
+    parser.add_argument("--cnn-only", action="store_true", help="only the paper's CNN (writes merge_speed_cnn.md)")
     args = parser.parse_args()
+    if args.cnn_only:
+        start = time.perf_counter()
+        cnn = paper_cnn(5)
+        out = RESULTS / "merge_speed_cnn.md"
+        out.write_text("\n".join([
+            "# Merge speed: the paper's CNN", "",
+            f"Machine: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores; numpy "
+            f"{np.__version__}. Command: `.venv/bin/python benchmarks/merge_speed.py --cnn-only` "
+            f"({time.perf_counter() - start:.0f} s). K = 6, S = 8, best of 5.", "", *cnn, ""]))
+        print(f"wrote {out}")
+        return
     widths = [64, 128] if args.quick else [256, 1024, 4096]
     d = 64 if args.quick else 1024
     start = time.perf_counter()

@@ -363,8 +363,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     final = data.get("final", {})
     ours = (final.get("test") or {}).get("accuracy")
     base = (final.get("fedavg_test") or {}).get("accuracy")
+    own = (final.get("own_test") or {}).get("accuracy")
+    label = str(data.get("config", {}).get("strategy", "FedFiOT"))  # the strategy's class name
     fmt = lambda x: "n/a" if x is None else f"{100 * x:.2f}%"  # noqa: E731
-    print(f"[fedfiot] final test accuracy: FedFiOT {fmt(ours)} | FedAvg on the same uploads {fmt(base)}")
+    note = "" if own is None else f" (FedAvg won the validation choice; FedFiOT's own merge: {fmt(own)})"
+    print(f"[fedfiot] final test accuracy: {label} {fmt(ours)} | FedAvg on the same uploads {fmt(base)}{note}")
     print(f"[fedfiot] results: {results_path}")
     return 0
 
