@@ -7,7 +7,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +181,35 @@ def save_checkpoint(model: Mapping[str, np.ndarray], path: str | os.PathLike[str
     state = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in model.items()}
     torch.save(state, target)
     return target
+
+
+def run_recorded(
+    start: Callable[..., Any],
+    results: ResultsFile,
+    checkpoint_dir: str | os.PathLike[str] | None,
+    final_keys: Iterable[str],
+    num_rounds: int,
+    **start_kwargs: Any,
+) -> Any:
+    """Run a strategy's ``start`` and finalise its results file.
+
+    Marks the file "failed" with the error if ``start`` raises; otherwise copies ``final_keys`` of
+    the last round into ``final``, writes ``final.pt`` to ``checkpoint_dir`` and marks it "finished".
+    Shared by every strategy of this package so that their results files read the same.
+    """
+    t0 = time.perf_counter()
+    try:
+        result = start(num_rounds=num_rounds, **start_kwargs)
+    except BaseException as exc:
+        if results.data["status"] == "running":
+            results.finish(error=f"{type(exc).__name__}: {exc}")
+        raise
+    final: dict[str, Any] = {"rounds": num_rounds, "seconds": time.perf_counter() - t0}
+    if results.data["rounds"]:
+        last = results.data["rounds"][-1]
+        final.update({k: last[k] for k in final_keys if k in last})
+    if checkpoint_dir is not None and len(result.arrays) > 0:
+        model = {k: np.asarray(v.numpy()) for k, v in result.arrays.items()}
+        final["checkpoint"] = str(save_checkpoint(model, Path(checkpoint_dir) / "final.pt"))
+    results.finish(final)
+    return result

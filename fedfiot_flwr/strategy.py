@@ -13,7 +13,6 @@ The bookkeeping shared with the legacy twin (:mod:`fedfiot_flwr.legacy`) lives i
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO, WARNING
 from pathlib import Path
@@ -27,7 +26,7 @@ from flwr.supercore import log
 
 from .merge import PermutationSpec
 from .merge.validate import check_options
-from .results import ResultsFile, round_record, save_checkpoint
+from .results import ResultsFile, round_record, run_recorded, save_checkpoint
 from .selection import FALLBACKS, PRESETS, Candidate, MergeOutcome, SweepGrid, merge_round
 from .strategy_utils import (
     CollectedUploads,
@@ -484,26 +483,12 @@ class FedFiOT(FedAvg, FedFiOTCore):
         """
         self.results = ResultsFile(self.results_path, {**self.core_config(), "num_rounds": num_rounds, **self.run_info})
         wrapped = None if evaluate_fn is None else self._wrap_evaluate(evaluate_fn)
-        t0 = time.perf_counter()
-        try:
-            result = super().start(
-                grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
-                train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=wrapped,
-            )
-        except BaseException as exc:
-            if self.results.data["status"] == "running":
-                self.results.finish(error=f"{type(exc).__name__}: {exc}")
-            raise
-        final: dict[str, Any] = {"rounds": num_rounds, "seconds": time.perf_counter() - t0}
-        if self.results.data["rounds"]:
-            last = self.results.data["rounds"][-1]
-            for key in ("test", "fedavg_test", "own_test", "validation", "fedavg_validation", "chosen", "fedavg_won"):
-                if key in last:
-                    final[key] = last[key]
-        if self.checkpoint_dir is not None and len(result.arrays) > 0:
-            final["checkpoint"] = str(save_checkpoint(arrays_to_numpy(result.arrays), self.checkpoint_dir / "final.pt"))
-        self.results.finish(final)
-        return result
+        return run_recorded(
+            super().start, self.results, self.checkpoint_dir,
+            ("test", "fedavg_test", "own_test", "validation", "fedavg_validation", "chosen", "fedavg_won"),
+            num_rounds, grid=grid, initial_arrays=initial_arrays, timeout=timeout,
+            train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=wrapped,
+        )
 
     def _wrap_evaluate(
         self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]

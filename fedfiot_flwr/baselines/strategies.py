@@ -22,7 +22,6 @@ a strategy and the upload it expects cannot drift apart.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -44,7 +43,7 @@ from fedfiot_flwr.baselines.wire import (
     unpack_curvature_reply,
 )
 from fedfiot_flwr.curvature import InputGram, KFACFactors
-from fedfiot_flwr.results import ResultsFile, save_checkpoint
+from fedfiot_flwr.results import ResultsFile, run_recorded, save_checkpoint
 from fedfiot_flwr.strategy import arrays_to_numpy, numpy_to_arrays
 from fedfiot_flwr.strategy_utils import (
     CollectedUploads,
@@ -566,26 +565,12 @@ class OneShotBaselineStrategy(FedAvg):
         """
         self.results = ResultsFile(self.results_path, {**self.config(), "num_rounds": num_rounds, **self.run_info})
         wrapped = None if evaluate_fn is None else self._wrap_evaluate(evaluate_fn)
-        t0 = time.perf_counter()
-        try:
-            result = super().start(
-                grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds, timeout=timeout,
-                train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=wrapped,
-            )
-        except BaseException as exc:
-            if self.results.data["status"] == "running":
-                self.results.finish(error=f"{type(exc).__name__}: {exc}")
-            raise
-        final: dict[str, Any] = {"rounds": num_rounds, "seconds": time.perf_counter() - t0}
-        if self.results.data["rounds"]:
-            last = self.results.data["rounds"][-1]
-            for key in ("test", "fedavg_test", "validation", "fedavg_validation", "chosen", "fisher_kind", "best_step"):
-                if key in last:
-                    final[key] = last[key]
-        if self.checkpoint_dir is not None and len(result.arrays) > 0:
-            final["checkpoint"] = str(save_checkpoint(arrays_to_numpy(result.arrays), self.checkpoint_dir / "final.pt"))
-        self.results.finish(final)
-        return result
+        return run_recorded(
+            super().start, self.results, self.checkpoint_dir,
+            ("test", "fedavg_test", "validation", "fedavg_validation", "chosen", "fisher_kind", "best_step"),
+            num_rounds, grid=grid, initial_arrays=initial_arrays, timeout=timeout,
+            train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=wrapped,
+        )
 
     def _wrap_evaluate(
         self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]
