@@ -42,7 +42,6 @@ fits a byte budget, e.g. FedAvg's float32 upload minus the 16-bit weights.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ import scipy.linalg
 import torch
 from torch import nn
 
-from fedfiot_flwr.fisher import FISHER_KINDS
+from fedfiot_flwr.fisher import FISHER_KINDS, gradient_mode
 from fedfiot_flwr.task import split_batch
 
 __all__ = [
@@ -232,32 +231,6 @@ class _Pairs:
             yield split_batch(batch)
 
 
-@contextlib.contextmanager
-def _curvature_mode(model: nn.Module, device: torch.device | str | None) -> Iterator[None]:
-    """Eval mode, grad-enabled parameters, optionally another device; all restored."""
-    params = list(model.parameters())
-    if not params:
-        raise ValueError("curvature: the model has no parameters")
-    home = params[0].device
-    dev = home if device is None else torch.device(device)
-    was_training = model.training
-    flags = [p.requires_grad for p in params]
-    try:
-        if dev != home:
-            model.to(dev)
-        model.eval()
-        for p in params:
-            p.requires_grad_(True)
-        with torch.enable_grad():
-            yield
-    finally:
-        for p, f in zip(params, flags):
-            p.requires_grad_(f)
-        model.train(was_training)
-        if dev != home:
-            model.to(home)
-
-
 def _count(pairs: _Pairs, loader: Iterable[Any]) -> int:
     dataset = getattr(loader, "dataset", None)
     drop_last = bool(getattr(loader, "drop_last", False))
@@ -344,7 +317,7 @@ def kfac_factors(
         raise ValueError(f"unknown Fisher kind {kind!r}; choose one of {FISHER_KINDS}")
     chosen = _select(model, modules, linear_only=False)
     fisher_type = {"true": "type-2", "empirical": "empirical"}[kind]
-    with _curvature_mode(model, device):
+    with gradient_mode(model, device, "curvature"):
         a_cov, g_cov, n = _run_kfac(model, dataloader, chosen, fisher_type, progress)
     out: dict[str, KFACFactors] = {}
     for name, module in chosen.items():
@@ -395,7 +368,7 @@ def input_grams(
         For an unknown or non-Linear module, a model without parameters or an empty loader.
     """
     chosen = _select(model, modules, linear_only=True)
-    with _curvature_mode(model, device):
+    with gradient_mode(model, device, "curvature"):
         a_cov, _, _ = _run_kfac(model, dataloader, chosen, "forward-only", progress)
     return {
         name: InputGram(

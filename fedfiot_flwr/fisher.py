@@ -309,11 +309,17 @@ def _loop_sq(model: nn.Module, x: torch.Tensor, v: torch.Tensor) -> dict[str, to
 
 
 @contextlib.contextmanager
-def _fisher_mode(model: nn.Module, device: torch.device | None) -> Iterator[torch.device]:
-    """Eval mode, grad-enabled parameters and (optionally) another device, all restored."""
+def gradient_mode(
+    model: nn.Module, device: torch.device | str | None, who: str = "diagonal_fisher"
+) -> Iterator[torch.device]:
+    """Eval mode, grad-enabled parameters and (optionally) another device, all restored.
+
+    Shared by every client-side curvature pass (this module and :mod:`fedfiot_flwr.curvature`);
+    ``who`` names the caller in the error raised for a model without parameters.
+    """
     params = list(model.parameters())
     if not params:
-        raise ValueError("diagonal_fisher: the model has no parameters")
+        raise ValueError(f"{who}: the model has no parameters")
     home = params[0].device
     dev = home if device is None else torch.device(device)
     was_training = model.training
@@ -400,7 +406,7 @@ def _diagonal_fisher(
     excluded: set[str],
 ) -> dict[str, torch.Tensor]:
     names = [n for n, _ in model.named_parameters()]
-    with _fisher_mode(model, device) as dev:
+    with gradient_mode(model, device) as dev:
         acc = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
         covered: dict[str, nn.Module] = {}
         if method == "auto":

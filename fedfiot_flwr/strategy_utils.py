@@ -127,6 +127,19 @@ def validate_upload(
     check_models([weights], [fisher], [b for b in buffers if b in weights], [client])
 
 
+def record_bytes(out: Any, client: str, content: Any) -> None:
+    """Add a reply's payload bytes to ``out.bytes_received`` / ``out.bytes_per_client``.
+
+    A record that cannot be measured counts as 0 bytes: a malformed reply must not stop the round.
+    """
+    try:
+        nbytes = content_bytes(content)
+    except Exception:  # noqa: BLE001
+        nbytes = 0
+    out.bytes_received += nbytes
+    out.bytes_per_client[client] = nbytes
+
+
 def collect_uploads(
     replies: Iterable[tuple[str, RecordDict]],
     expected_shapes: Mapping[str, tuple[int, ...]] | None,
@@ -161,12 +174,7 @@ def collect_uploads(
         logger.debug("FedFiOT: excluding client %s: %s", client, reason)
     for client, content in replies:
         client = str(client)
-        try:
-            nbytes = content_bytes(content)
-        except Exception:  # noqa: BLE001 - a malformed record must not stop the round
-            nbytes = 0
-        out.bytes_received += nbytes
-        out.bytes_per_client[client] = nbytes
+        record_bytes(out, client, content)
         try:
             upload = unpack_reply(
                 content,

@@ -50,7 +50,7 @@ from fedfiot_flwr.strategy_utils import (
     Rejection,
     aggregate_client_metrics,
     collect_uploads,
-    content_bytes,
+    record_bytes,
     require_enough,
 )
 
@@ -224,12 +224,7 @@ def collect_curvature_uploads(
     shapes = None if expected_shapes is None else dict(expected_shapes)
     for client, content in replies:
         client = str(client)
-        try:
-            nbytes = content_bytes(content)
-        except Exception:  # noqa: BLE001 - a malformed record must not stop the round
-            nbytes = 0
-        out.bytes_received += nbytes
-        out.bytes_per_client[client] = nbytes
+        record_bytes(out, client, content)
         try:
             up = unpack_curvature_reply(content, shapes, client)
             if up.method != method:
