@@ -36,7 +36,14 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
 from fedfiot_flwr.fisher import diagonal_fisher
-from fedfiot_flwr.quantize import LEVELS, dequantize, quantize
+from fedfiot_flwr.quantize import check_codes, dequantize, quantize
+from fedfiot_flwr.reply_limits import (
+    MAX_FISHER_MAGNITUDE,
+    MAX_INTEGER_BUFFER,
+    MAX_WEIGHT_MAGNITUDE,
+    finite_metric,
+    parse_num_examples,
+)
 from fedfiot_flwr.task import split_batch, train
 
 __all__ = [
@@ -196,6 +203,10 @@ def _decode(
                              f"{STYPE_WEIGHT_FISHER!r}), got an unquantized {value.dtype} array")
         if not np.issubdtype(value.dtype, np.integer) and value.dtype != np.bool_:
             raise ValueError(f"{where}: unsupported dtype {value.dtype}")
+        if value.size and np.issubdtype(value.dtype, np.integer):
+            largest = max(abs(int(value.min())), abs(int(value.max())))
+            if largest > MAX_INTEGER_BUFFER:
+                raise ValueError(f"{where}: integer entries up to {largest} exceed {MAX_INTEGER_BUFFER}")
         return value, None
     if arr.stype not in (STYPE_WEIGHT, STYPE_WEIGHT_FISHER):
         raise ValueError(f"{where}: unknown stype {arr.stype!r}")
@@ -208,13 +219,12 @@ def _decode(
         raise ValueError(f"{where}: {len(arr.data)} data bytes, expected {expected} for shape {shape}")
     scales = np.frombuffer(arr.data, dtype="<f4", count=header // 4)
     codes = np.frombuffer(arr.data, dtype="<i2", offset=header).reshape((2 if with_fisher else 1, *shape))
-    for scale, c, what in zip(scales, codes, ("weight", "Fisher")):
-        if not np.isfinite(scale) or scale < 0:
-            raise ValueError(f"{where}: bad {what} scale {float(scale)!r} (must be finite and >= 0)")
-        if c.size and (int(c.min()) < -LEVELS or int(c.max()) > LEVELS):
-            raise ValueError(f"{where}: {what} codes out of range [{-LEVELS}, {LEVELS}]")
-        if scale == 0 and c.size and np.any(c != 0):
-            raise ValueError(f"{where}: bad {what} scale 0 with non-zero codes")
+    limits = (MAX_WEIGHT_MAGNITUDE, MAX_FISHER_MAGNITUDE)
+    for scale, c, what, limit in zip(scales, codes, ("weight", "Fisher"), limits):
+        try:
+            check_codes(c, float(scale), name, max_scale=limit)
+        except ValueError as err:
+            raise ValueError(f"{where}: bad {what} scale or codes: {err}") from err
     if with_fisher and codes[1].size and int(codes[1].min()) < 0:
         raise ValueError(f"{where}: negative Fisher codes")
     weight = dequantize(codes[0], scales[0], dtype=dtype, name=name)
@@ -252,9 +262,12 @@ def unpack_reply(
     Raises
     ------
     ValueError
-        Naming the client and tensor, on: a missing record, missing or extra keys, a wrong
-        shape, dtype, stype or byte length, codes out of range, a bad scale, a negative
-        Fisher, or ``num-examples`` missing, not an integer or ``<= 0``.
+        Naming the client and tensor, on: a missing record, missing or extra keys,
+        a wrong shape, dtype, stype or byte length, codes out of range, a scale that is not
+        finite or exceeds its bound (:mod:`fedfiot_flwr.reply_limits`), a negative Fisher, an
+        integer buffer beyond its bound, or ``num-examples`` missing or not an integer in
+        ``[1, MAX_NUM_EXAMPLES]``. Metrics that are not finite numbers are dropped; records other
+        than :data:`ARRAYS_RECORD` and :data:`METRICS_RECORD` are ignored.
     """
     if not isinstance(content, RecordDict):
         raise ValueError(f"client {client}: reply content is a {type(content).__name__}, not a RecordDict")
@@ -266,6 +279,7 @@ def unpack_reply(
     if not isinstance(metrics_rec, MetricRecord):
         raise ValueError(f"client {client}: reply has no MetricRecord {METRICS_RECORD!r} "
                          f"(records: {sorted(content.keys())})")
+    # Records other than these two are ignored: never read, whatever their type or content.
     if expected_shapes is not None:
         missing = [k for k in expected_shapes if k not in arrays]
         extra = [k for k in arrays if k not in expected_shapes]
@@ -291,11 +305,10 @@ def unpack_reply(
             raise ValueError(f"client {client}: reply lacks parameters {absent}")
     if NUM_EXAMPLES_KEY not in metrics_rec:
         raise ValueError(f"client {client}: MetricRecord {METRICS_RECORD!r} has no {NUM_EXAMPLES_KEY!r}")
-    raw = metrics_rec[NUM_EXAMPLES_KEY]
-    if isinstance(raw, (list, bool)) or not float(raw).is_integer() or float(raw) <= 0:
-        raise ValueError(f"client {client}: {NUM_EXAMPLES_KEY!r} must be a positive integer, got {raw!r}")
-    metrics = {k: float(v) for k, v in metrics_rec.items() if k != NUM_EXAMPLES_KEY and not isinstance(v, list)}
-    return ClientUpload(weights=weights, fisher=fisher, num_examples=int(raw), metrics=metrics)
+    num_examples = parse_num_examples(metrics_rec[NUM_EXAMPLES_KEY], f"client {client}")
+    # Other metrics are only reported, never merged: keep the finite numbers, drop the rest.
+    metrics = {k: m for k, v in metrics_rec.items() if k != NUM_EXAMPLES_KEY and (m := finite_metric(v)) is not None}
+    return ClientUpload(weights=weights, fisher=fisher, num_examples=num_examples, metrics=metrics)
 
 
 # ------------------------------------------------------------------------------- helpers

@@ -45,6 +45,7 @@ from .merge import PermutationSpec
 from .results import ResultsFile, save_checkpoint
 from .selection import SweepGrid
 from .strategy import FedFiOTCore
+from .strategy_utils import DUPLICATE_REASON
 
 if TYPE_CHECKING:
     import torch
@@ -255,17 +256,26 @@ class FedFiOTLegacy(FedAvg, FedFiOTCore):
         """
         good: list[tuple[str, RecordDict]] = []
         errors: list[tuple[str, str]] = []
+        seen: set[str] = set()  # one reply per client: results first, then failures
         for proxy, fit_res in results:
+            cid = str(proxy.cid)
+            if cid in seen:
+                errors.append((cid, DUPLICATE_REASON))
+                continue
+            seen.add(cid)
             try:
-                good.append((str(proxy.cid), fitres_to_reply(fit_res, str(proxy.cid))))
-            except ValueError as exc:
-                errors.append((str(proxy.cid), str(exc)))
+                good.append((cid, fitres_to_reply(fit_res, cid)))
+            except Exception as exc:  # noqa: BLE001 - an untrusted reply excludes itself, never the round
+                errors.append((cid, str(exc) or type(exc).__name__))
         for failure in failures:
             if isinstance(failure, BaseException):
                 errors.append(("?", f"failure: {type(failure).__name__}: {failure}"))
-            else:
-                proxy, fit_res = failure
-                errors.append((str(proxy.cid), f"failure: {fit_res.status.code.name}: {fit_res.status.message}"))
+                continue
+            proxy, fit_res = failure
+            cid = str(proxy.cid)
+            reason = f"failure: {fit_res.status.code.name}: {fit_res.status.message}"
+            errors.append((cid, f"{DUPLICATE_REASON} ({reason})" if cid in seen else reason))
+            seen.add(cid)
         model, metrics = self.merge_replies(server_round, good, errors)
         if self.num_rounds is not None and server_round >= self.num_rounds:
             final: dict[str, Any] = {"rounds": server_round}

@@ -78,7 +78,7 @@ def quantize(x: npt.ArrayLike, name: str = "tensor") -> tuple[np.ndarray, np.flo
     return codes.astype(np.int16), scale
 
 
-def check_codes(codes: np.ndarray, scale: float, name: str = "tensor") -> None:
+def check_codes(codes: np.ndarray, scale: float, name: str = "tensor", max_scale: float | None = None) -> None:
     """Validate quantized codes and their scale.
 
     Parameters
@@ -89,11 +89,15 @@ def check_codes(codes: np.ndarray, scale: float, name: str = "tensor") -> None:
         Scale; must be finite and ``>= 0``.
     name : str, optional
         Name used in error messages.
+    max_scale : float, optional
+        Largest accepted scale (the bounds of :mod:`fedfiot_flwr.reply_limits`); ``None``: any
+        finite scale.
 
     Raises
     ------
     ValueError
-        On a non-integer dtype, codes out of range or a negative / non-finite scale.
+        On a non-integer dtype, codes out of range, a negative / non-finite scale, a scale
+        above ``max_scale``, or a zero scale with non-zero codes.
     """
     if not np.issubdtype(codes.dtype, np.integer):
         raise ValueError(f"{name!r}: codes have dtype {codes.dtype}, expected int16")
@@ -105,6 +109,10 @@ def check_codes(codes: np.ndarray, scale: float, name: str = "tensor") -> None:
     s = float(scale)
     if not np.isfinite(s) or s < 0.0:
         raise ValueError(f"{name!r}: scale {s!r} is not a finite non-negative number")
+    if max_scale is not None and s > max_scale:
+        raise ValueError(f"{name!r}: scale {s:g} exceeds the bound {max_scale:g}")
+    if s == 0.0 and codes.size and np.any(codes != 0):
+        raise ValueError(f"{name!r}: scale 0 with non-zero codes")
 
 
 def dequantize(

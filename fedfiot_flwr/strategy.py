@@ -32,8 +32,10 @@ from .strategy_utils import (
     CollectedUploads,
     aggregate_client_metrics,
     collect_uploads,
+    instruction_destinations,
     require_enough,
     resolve_spec,
+    split_replies,
 )
 
 if TYPE_CHECKING:
@@ -419,6 +421,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
         )
         self.validate_fn = validate_fn
         self.run_info = dict(run_info or {})
+        self._instructions: list[Message] = []
         if self.sweep is not None and validate_fn is None:
             log(WARNING, "FedFiOT: sweep given without validate_fn; the grid is ignored (nothing to select on)")
         if validate_fn is not None:
@@ -438,9 +441,13 @@ class FedFiOT(FedAvg, FedFiOTCore):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Remember the broadcast model (layout check, ``reference="broadcast"``), then sample as FedAvg."""
+        """Remember the broadcast model (layout check, ``reference="broadcast"``), then sample as FedAvg.
+
+        The instructions are remembered too: a reply is attributed to the node its instruction went to.
+        """
         self._broadcast = arrays_to_numpy(arrays)
-        return super().configure_train(server_round, arrays, config, grid)
+        self._instructions = list(super().configure_train(server_round, arrays, config, grid))
+        return self._instructions
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -452,14 +459,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
         RuntimeError
             When fewer than ``min_valid_replies`` valid replies remain.
         """
-        good: list[tuple[str, RecordDict]] = []
-        errors: list[tuple[str, str]] = []
-        for msg in replies:
-            node = str(msg.metadata.src_node_id)
-            if msg.has_error():
-                errors.append((node, f"error reply: {msg.error.reason} (code {msg.error.code})"))
-            else:
-                good.append((node, msg.content))
+        good, errors = split_replies(replies, instruction_destinations(self._instructions))
         model, metrics = self.merge_replies(server_round, good, errors)
         order = list(self._broadcast) if self._broadcast is not None else None
         return numpy_to_arrays(model, order), MetricRecord(metrics)

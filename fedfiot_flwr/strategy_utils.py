@@ -8,15 +8,23 @@ Everything here works on plain ``(client id, RecordDict)`` pairs and numpy dicts
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import RecordDict
+from flwr.app import Message, RecordDict
 
 from .merge import PermutationSpec, spec_from_module
 from .merge.validate import check_models
+from .reply_limits import (
+    MAX_FISHER_MAGNITUDE,
+    MAX_INTEGER_BUFFER,
+    MAX_WEIGHT_MAGNITUDE,
+    check_magnitude,
+    parse_num_examples,
+)
 
 if TYPE_CHECKING:  # torch is only needed when a model is given
     import torch
@@ -110,11 +118,11 @@ def validate_upload(
     ------
     ValueError
         On missing/extra tensors, wrong shapes, non-finite weights, a missing, NaN, infinite or
-        negative Fisher entry, or a non-positive ``num_examples``; the message names the client
-        and the tensor.
+        negative Fisher entry, a weight, Fisher or integer buffer beyond its bound, or a
+        ``num_examples`` that is not an integer in ``[1, MAX_NUM_EXAMPLES]``
+        (:mod:`fedfiot_flwr.reply_limits`); the message names the client and the tensor.
     """
-    if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples <= 0:
-        raise ValueError(f"client {client!r}: num-examples must be a positive integer, got {num_examples!r}")
+    parse_num_examples(num_examples, f"client {client!r}")
     missing = sorted(set(expected_shapes) - set(weights))
     extra = sorted(set(weights) - set(expected_shapes))
     if missing or extra:
@@ -125,6 +133,34 @@ def validate_upload(
             raise ValueError(f"client {client!r}, tensor {name!r}: shape {got} differs from the global model's {tuple(shape)}")
     # The merge engine's own validator covers Fisher keys, shapes, NaN/inf and sign.
     check_models([weights], [fisher], [b for b in buffers if b in weights], [client])
+    check_upload_magnitudes(client, weights, fisher)
+
+
+def check_upload_magnitudes(client: str, weights: Mapping[str, np.ndarray], fisher: Mapping[str, np.ndarray]) -> None:
+    """Check every tensor of an upload against the bounds of :mod:`fedfiot_flwr.reply_limits`.
+
+    Raises
+    ------
+    ValueError
+        When a float weight exceeds ``MAX_WEIGHT_MAGNITUDE``, an integer buffer
+        ``MAX_INTEGER_BUFFER`` or a Fisher entry ``MAX_FISHER_MAGNITUDE`` (or any is NaN).
+    """
+    for name, value in weights.items():
+        arr = np.asarray(value)
+        if arr.size == 0:
+            continue
+        if np.issubdtype(arr.dtype, np.integer):
+            largest = max(abs(int(arr.min())), abs(int(arr.max())))
+            if largest > MAX_INTEGER_BUFFER:
+                raise ValueError(f"client {client!r}, tensor {name!r}: integer entries up to {largest} "
+                                 f"exceed {MAX_INTEGER_BUFFER}")
+        else:
+            check_magnitude(float(np.max(np.abs(arr))), MAX_WEIGHT_MAGNITUDE, f"client {client!r}, tensor {name!r}")
+    for name, value in fisher.items():
+        arr = np.asarray(value)
+        if arr.size:
+            check_magnitude(float(np.max(np.abs(arr))), MAX_FISHER_MAGNITUDE,
+                            f"client {client!r}, Fisher of tensor {name!r}")
 
 
 def record_bytes(out: Any, client: str, content: Any) -> None:
@@ -137,7 +173,88 @@ def record_bytes(out: Any, client: str, content: Any) -> None:
     except Exception:  # noqa: BLE001
         nbytes = 0
     out.bytes_received += nbytes
-    out.bytes_per_client[client] = nbytes
+    out.bytes_per_client[client] = out.bytes_per_client.get(client, 0) + nbytes
+
+
+DUPLICATE_REASON = "duplicate reply: only the node's first reply of the round counts"
+
+
+def reply_node_id(msg: Message, sent_to: Mapping[str, int] | None = None) -> str:
+    """The id of the node a reply belongs to.
+
+    A reply is attributed to the destination of the instruction it answers (looked up by its
+    ``reply_to_message_id`` in ``sent_to``), because an error reply the SuperLink writes for a
+    node it lost carries the SuperLink's id as its source. Without the instruction, the reply's
+    ``src_node_id`` is used.
+
+    Parameters
+    ----------
+    msg : Message
+        A reply.
+    sent_to : mapping of str to int, optional
+        Instruction message id -> destination node id, for this round's instructions.
+    """
+    if sent_to:
+        node = sent_to.get(msg.metadata.reply_to_message_id)
+        if node is not None:
+            return str(node)
+    return str(msg.metadata.src_node_id)
+
+
+def instruction_destinations(messages: Iterable[Message]) -> dict[str, int]:
+    """``{message id: destination node id}`` of pushed instructions (ids are set on push)."""
+    return {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
+
+
+def split_replies(
+    replies: Iterable[Message], sent_to: Mapping[str, int] | None = None
+) -> tuple[list[tuple[str, RecordDict]], list[tuple[str, str]]]:
+    """Sort one round's replies into contents and failures, keeping each node's first reply.
+
+    Parameters
+    ----------
+    replies : iterable of Message
+        The round's replies in arrival order.
+    sent_to : mapping of str to int, optional
+        Instruction message id -> destination node id (see :func:`reply_node_id`).
+
+    Returns
+    -------
+    tuple
+        ``(valid (node id, content) pairs, (node id, reason) of error replies and duplicates)``.
+    """
+    good: list[tuple[str, RecordDict]] = []
+    errors: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for msg in replies:
+        node = reply_node_id(msg, sent_to)
+        if node in seen:
+            errors.append((node, DUPLICATE_REASON))
+        elif msg.has_error():
+            errors.append((node, f"error reply: {msg.error.reason} (code {msg.error.code})"))
+        else:
+            good.append((node, msg.content))
+        seen.add(node)
+    return good, errors
+
+
+def majority_layout(uploads: Iterable[Any]) -> dict[str, tuple[int, ...]] | None:
+    """The tensor names and shapes most uploads share (ties: the earliest); ``None`` for none.
+
+    Used only when the server has no broadcast model to check the layout against, so that one
+    malformed upload cannot impose its layout on the others.
+    """
+    counts: Counter[tuple[tuple[str, tuple[int, ...], bool], ...]] = Counter()
+    first: dict[tuple[tuple[str, tuple[int, ...], bool], ...], dict[str, tuple[int, ...]]] = {}
+    for up in uploads:
+        shapes = {k: tuple(np.shape(v)) for k, v in up.weights.items()}
+        signature = tuple(sorted((k, s, k in up.fisher) for k, s in shapes.items()))
+        counts[signature] += 1
+        first.setdefault(signature, shapes)
+    if not counts:
+        return None
+    best = max(counts.values())
+    return next(first[sig] for sig in first if counts[sig] == best)
 
 
 def collect_uploads(
@@ -154,7 +271,7 @@ def collect_uploads(
         Reply contents with the id of the node that sent them.
     expected_shapes : mapping of str to tuple of int, optional
         Names and shapes of the broadcast model; every upload must match them. ``None`` takes
-        them from the first upload that unpacks.
+        the layout most decodable uploads share (:func:`majority_layout`).
     buffers : collection of str
         State-dict entries that carry no Fisher.
     errors : iterable of (client id, reason)
@@ -164,7 +281,9 @@ def collect_uploads(
     Returns
     -------
     CollectedUploads
-        Valid uploads in reply order and the rejections with their reasons.
+        Valid uploads in reply order and the rejections with their reasons. Only a client's
+        first reply counts; later ones are excluded as duplicates. Any failure while reading a
+        reply excludes that reply only.
     """
     from .client import unpack_reply  # lazy: the client module imports torch
 
@@ -172,23 +291,37 @@ def collect_uploads(
     for client, reason in errors:
         out.rejections.append(Rejection(str(client), str(reason)))
         logger.debug("FedFiOT: excluding client %s: %s", client, reason)
+
+    def reject(client: str, exc: BaseException) -> None:
+        reason = str(exc) or type(exc).__name__
+        out.rejections.append(Rejection(client, reason))
+        logger.debug("FedFiOT: excluding client %s: %s", client, reason)
+
+    decoded: list[tuple[str, Any]] = []
+    seen: set[str] = set()
     for client, content in replies:
         client = str(client)
         record_bytes(out, client, content)
+        if client in seen:
+            reject(client, ValueError(DUPLICATE_REASON))
+            continue
+        seen.add(client)
         try:
-            upload = unpack_reply(
+            decoded.append((client, unpack_reply(
                 content,
                 expected_shapes=None if expected_shapes is None else dict(expected_shapes),
                 client=client,
                 parameters=None if expected_shapes is None else [k for k in expected_shapes if k not in buffers],
-            )
-            if expected_shapes is None:
-                expected_shapes = {k: tuple(np.shape(v)) for k, v in upload.weights.items()}
-            validate_upload(client, upload.weights, upload.fisher, upload.num_examples, expected_shapes, buffers)
-        except (ValueError, KeyError, TypeError) as exc:
-            reason = str(exc) or type(exc).__name__
-            out.rejections.append(Rejection(client, reason))
-            logger.debug("FedFiOT: excluding client %s: %s", client, reason)
+            )))
+        except Exception as exc:  # noqa: BLE001 - an untrusted reply excludes itself, never the round
+            reject(client, exc)
+    if expected_shapes is None:
+        expected_shapes = majority_layout(up for _, up in decoded)
+    for client, upload in decoded:
+        try:
+            validate_upload(client, upload.weights, upload.fisher, upload.num_examples, expected_shapes or {}, buffers)
+        except Exception as exc:  # noqa: BLE001
+            reject(client, exc)
             continue
         out.client_ids.append(client)
         out.weights.append({k: np.asarray(v) for k, v in upload.weights.items()})

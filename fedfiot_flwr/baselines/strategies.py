@@ -49,10 +49,14 @@ from fedfiot_flwr.strategy_utils import (
     CollectedUploads,
     Rejection,
     aggregate_client_metrics,
+    DUPLICATE_REASON,
     collect_uploads,
+    instruction_destinations,
     record_bytes,
     require_enough,
+    split_replies,
 )
+from fedfiot_flwr.reply_limits import MAX_CURVATURE_MAGNITUDE, check_magnitude
 
 if TYPE_CHECKING:
     import torch
@@ -222,9 +226,14 @@ def collect_curvature_uploads(
     out.rejections.extend(Rejection(str(c), str(r)) for c, r in errors)
     reference: list[tuple[str, str, str | None]] | None = None
     shapes = None if expected_shapes is None else dict(expected_shapes)
+    seen: set[str] = set()
     for client, content in replies:
         client = str(client)
         record_bytes(out, client, content)
+        if client in seen:
+            out.rejections.append(Rejection(client, DUPLICATE_REASON))
+            continue
+        seen.add(client)
         try:
             up = unpack_curvature_reply(content, shapes, client)
             if up.method != method:
@@ -241,11 +250,14 @@ def collect_curvature_uploads(
                 for what, mat in mats:
                     if not np.all(np.isfinite(mat)):
                         raise ValueError(f"client {client}: factor {FACTOR_PREFIX}{name}/{what} has NaN or infinite values")
+                    if mat.size:
+                        check_magnitude(float(np.max(np.abs(mat))), MAX_CURVATURE_MAGNITUDE,
+                                        f"client {client}: factor {FACTOR_PREFIX}{name}/{what}")
             signature = _layer_signature(layers)
             if reference is not None and signature != reference:
                 raise ValueError(f"client {client}: curvature layers {[s[0] for s in signature]} differ from the "
                                  f"other clients' {[s[0] for s in reference]}")
-        except (ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - an untrusted reply excludes itself, never the round
             out.rejections.append(Rejection(client, str(exc) or type(exc).__name__))
             continue
         if shapes is None:
@@ -263,19 +275,6 @@ def collect_curvature_uploads(
         out.fisher_kinds.append(up.fisher_kind)
         out.ranks.append(up.rank)
     return out
-
-
-def split_replies(replies: Iterable[Message]) -> tuple[list[tuple[str, RecordDict]], list[tuple[str, str]]]:
-    """``(valid (node id, content) pairs, (node id, reason) of error replies)``."""
-    good: list[tuple[str, RecordDict]] = []
-    errors: list[tuple[str, str]] = []
-    for msg in replies:
-        node = str(msg.metadata.src_node_id)
-        if msg.has_error():
-            errors.append((node, f"error reply: {msg.error.reason} (code {msg.error.code})"))
-        else:
-            good.append((node, msg.content))
-    return good, errors
 
 
 # ------------------------------------------------------------------------- shared strategy
@@ -391,6 +390,7 @@ class OneShotBaselineStrategy(FedAvg):
         self.run_info = dict(run_info or {})
         self.results = ResultsFile(self.results_path, self.config())
         self._broadcast: Model | None = None
+        self._instructions: list[Message] = []
         self.last_outcome: BaselineOutcome | None = None
         self.last_uploads: CollectedUploads | None = None
         self._fedavg_model: Model | None = None
@@ -452,9 +452,10 @@ class OneShotBaselineStrategy(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Remember the broadcast model (layout check of the replies), then sample as FedAvg."""
+        """Remember the broadcast model (layout check of the replies) and the instructions, then sample as FedAvg."""
         self._broadcast = arrays_to_numpy(arrays)
-        return super().configure_train(server_round, arrays, config, grid)
+        self._instructions = list(super().configure_train(server_round, arrays, config, grid))
+        return self._instructions
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -466,7 +467,7 @@ class OneShotBaselineStrategy(FedAvg):
         RuntimeError
             When fewer than ``min_valid_replies`` valid replies remain.
         """
-        good, errors = split_replies(replies)
+        good, errors = split_replies(replies, instruction_destinations(self._instructions))
         model, metrics = self.merge_replies(server_round, good, errors)
         order = list(self._broadcast) if self._broadcast is not None else None
         return numpy_to_arrays(model, order), MetricRecord(metrics)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
+from numbers import Real
 
 import numpy as np
+
+from ..reply_limits import MAX_NUM_EXAMPLES
 
 MATCHINGS = ("fisher", "euclidean", "none")
 AGGREGATIONS = ("fisher", "uniform", "size")
@@ -83,14 +87,23 @@ def check_models(
 
 
 def check_num_examples(num_examples: Sequence[int] | None, n_clients: int, client_ids: Sequence[str]) -> None:
-    """Check the client sizes (when given)."""
+    """Check the client sizes (when given): real numbers in ``(0, MAX_NUM_EXAMPLES]``.
+
+    Booleans, non-numbers and integers too large for a float are rejected before NumPy sees them.
+    """
     if num_examples is None:
         return
     if len(num_examples) != n_clients:
         raise ValueError(f"num_examples has {len(num_examples)} entries for {n_clients} clients")
     for k, n in enumerate(num_examples):
-        if not np.isfinite(n) or n <= 0:
-            raise ValueError(f"{_label(client_ids, k)}: num_examples must be > 0, got {n!r}")
+        ok = isinstance(n, Real) and not isinstance(n, (bool, np.bool_))
+        try:
+            ok = ok and math.isfinite(float(n)) and 0 < float(n) <= MAX_NUM_EXAMPLES
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{_label(client_ids, k)}: num_examples must be a number in (0, {MAX_NUM_EXAMPLES}], "
+                             f"got {n!r}")
 
 
 def check_reference_model(reference: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> None:
