@@ -125,7 +125,8 @@ class FedFiOTLegacy(FedAvg, FedFiOTCore):
     Parameters
     ----------
     spec, model, lam, rho, max_iters, reference, matching, aggregation, fisher_scaling, fallback,
-    buffers, sweep, selection_metric, min_valid_replies, results_path, checkpoint_dir, baseline
+    preset, fedavg_candidate, fisher_cap, buffers, sweep, selection_metric, min_valid_replies,
+    results_path, checkpoint_dir, baseline
         As in :class:`fedfiot_flwr.FedFiOT`.
     names : sequence of str, optional
         State-dict key order of the global parameter list (default: ``model.state_dict()`` order,
@@ -158,6 +159,7 @@ class FedFiOTLegacy(FedAvg, FedFiOTCore):
         fallback: str | None = None,
         preset: str | None = "default",
         fedavg_candidate: bool | None = None,
+        fisher_cap: float | None = None,
         buffers: Sequence[str] | None = None,
         validate_fn: LegacyEvaluateFn | None = None,
         sweep: SweepGrid | bool | None = None,
@@ -195,7 +197,7 @@ class FedFiOTLegacy(FedAvg, FedFiOTCore):
         self._init_core(
             spec=spec, model=model, lam=lam, rho=rho, max_iters=max_iters, reference=reference,
             matching=matching, aggregation=aggregation, fisher_scaling=fisher_scaling, fallback=fallback,
-            preset=preset, fedavg_candidate=fedavg_candidate,
+            preset=preset, fedavg_candidate=fedavg_candidate, fisher_cap=fisher_cap,
             buffers=buffers, sweep=sweep, selection_metric=selection_metric,
             min_valid_replies=min_valid_replies if min_valid_replies is not None else max(1, min_fit_clients),
             results_path=results_path, checkpoint_dir=checkpoint_dir, baseline=baseline,

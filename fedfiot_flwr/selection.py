@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge
+from .merge.robust import DEFAULT_FISHER_CAP, cap_fishers
 from .strategy_utils import CollectedUploads
 
 logger = logging.getLogger("fedfiot_flwr")
@@ -32,11 +33,13 @@ ValidateFn = Callable[[Model], Mapping[str, float] | None]
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The paper: objective-based identity fallback, the per-example mean Fisher of eq. 106.
-    "paper": {"fallback": "objective", "fisher_scalings": ("none",), "fedavg_candidate": False},
+    "paper": {"fallback": "objective", "fisher_scalings": ("none",), "fedavg_candidate": False, "fisher_cap": None},
     # This project's default (issue 8): choose on validation between the aligned merge, the
     # identity merge and FedAvg of the same uploads, and let the sweep also try the Fisher scaled
-    # by client size; FedFiOT's own merge is always reported next to a FedAvg win.
-    "default": {"fallback": "validation", "fisher_scalings": ("none", "size"), "fedavg_candidate": True},
+    # by client size; FedFiOT's own merge is always reported next to a FedAvg win. No client's
+    # Fisher may exceed DEFAULT_FISHER_CAP times the clients' median (merge/robust.py).
+    "default": {"fallback": "validation", "fisher_scalings": ("none", "size"), "fedavg_candidate": True,
+                "fisher_cap": DEFAULT_FISHER_CAP},
 }
 
 
@@ -206,6 +209,7 @@ def merge_round(
     metric: str = "accuracy",
     baseline: bool = True,
     fedavg_candidate: bool = False,
+    fisher_cap: float | None = None,
 ) -> MergeOutcome:
     """Merge one round's valid uploads, selecting on validation data when possible.
 
@@ -240,6 +244,10 @@ def merge_round(
         Let FedAvg of the same uploads compete on validation (implies ``baseline``; needs
         ``validate``). When it wins, ``variant`` is ``"fedavg"`` and FedFiOT's own best merge is
         kept in ``own_model`` / ``own_variant`` / ``own_validation``.
+    fisher_cap : float, optional
+        Robust weighting: cap every client's Fisher at this factor times the clients' median
+        (:func:`fedfiot_flwr.merge.robust.cap_fishers`) before the merge tempers it. ``None``:
+        the Fishers as uploaded (the paper).
 
     Returns
     -------
@@ -258,6 +266,7 @@ def merge_round(
         logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
         candidates = [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
 
+    fishers = uploads.fishers if fisher_cap is None else cap_fishers(uploads.fishers, fisher_cap)
     best: tuple[float, Candidate, str, MergeResult, Model, dict[str, float] | None] | None = None
     trials: list[dict[str, Any]] = []
     for cand in candidates:
@@ -268,7 +277,7 @@ def merge_round(
             reference = broadcast
         res = merge(
             uploads.weights,
-            uploads.fishers,
+            fishers,
             spec,
             lam=cand.lam,
             rho=cand.rho,

@@ -115,6 +115,7 @@ class FedFiOTCore:
         baseline: bool,
         preset: str | None = None,
         fedavg_candidate: bool | None = None,
+        fisher_cap: float | None = None,
     ) -> None:
         check_options(lam, rho, max_iters, matching, aggregation, "objective")
         if preset is not None:
@@ -122,12 +123,14 @@ class FedFiOTCore:
                 raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
             chosen = PRESETS[preset]
             fallback = chosen["fallback"] if fallback is None else fallback
+            fisher_cap = chosen["fisher_cap"] if fisher_cap is None else fisher_cap
             fedavg_candidate = chosen["fedavg_candidate"] if fedavg_candidate is None else fedavg_candidate
             if sweep is True:  # an explicit SweepGrid is the user's own and stays as given
                 sweep = SweepGrid(fisher_scalings=chosen["fisher_scalings"])
         fallback = "objective" if fallback is None else fallback
         self.preset = preset
         self.fedavg_candidate = bool(fedavg_candidate)
+        self.fisher_cap = None if fisher_cap is None or fisher_cap == 0 else float(fisher_cap)
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
         self.spec, model_buffers = resolve_spec(spec, model)
@@ -174,6 +177,7 @@ class FedFiOTCore:
             "min_valid_replies": self.min_valid_replies,
             "preset": self.preset,
             "fedavg_candidate": self.fedavg_candidate,
+            "fisher_cap": self.fisher_cap,
         }
 
     def merge_replies(
@@ -239,6 +243,7 @@ class FedFiOTCore:
             metric=self.selection_metric,
             baseline=self.baseline,
             fedavg_candidate=self.fedavg_candidate,
+            fisher_cap=self.fisher_cap,
         )
         order = list(broadcast) if broadcast is not None else list(uploads.weights[0])
         model = {k: outcome.model[k] for k in order}
@@ -340,6 +345,9 @@ class FedFiOT(FedAvg, FedFiOTCore):
     fedavg_candidate : bool, optional (default: from ``preset``)
         Let FedAvg of the same uploads compete on validation; when it wins it is returned and
         reported as such (``fedavg_won``), with FedFiOT's own merge reported next to it.
+    fisher_cap : float, optional (default: from ``preset``: 4 for "default", none for "paper")
+        Robust weighting: no client's Fisher may exceed this factor times the clients' median
+        (:func:`fedfiot_flwr.merge.robust.cap_fishers`); ``0`` turns it off.
     validate_fn : callable, optional
         ``(server_round, ArrayRecord) -> MetricRecord | None`` on the server's *validation* set,
         same signature as ``evaluate_fn``. Enables server-side selection over ``sweep``.
@@ -380,6 +388,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
         fallback: str | None = None,
         preset: str | None = "default",
         fedavg_candidate: bool | None = None,
+        fisher_cap: float | None = None,
         buffers: Sequence[str] | None = None,
         validate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         sweep: SweepGrid | bool | None = None,
@@ -414,7 +423,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
         self._init_core(
             spec=spec, model=model, lam=lam, rho=rho, max_iters=max_iters, reference=reference,
             matching=matching, aggregation=aggregation, fisher_scaling=fisher_scaling, fallback=fallback,
-            preset=preset, fedavg_candidate=fedavg_candidate,
+            preset=preset, fedavg_candidate=fedavg_candidate, fisher_cap=fisher_cap,
             buffers=buffers, sweep=sweep, selection_metric=selection_metric,
             min_valid_replies=min_valid_replies if min_valid_replies is not None else max(1, min_train_nodes),
             results_path=results_path, checkpoint_dir=checkpoint_dir, baseline=baseline,

@@ -65,8 +65,10 @@ def test_fedavg_candidate_loses_when_fedfiot_validates_better():
 
 
 def test_presets():
-    assert PRESETS["paper"] == {"fallback": "objective", "fisher_scalings": ("none",), "fedavg_candidate": False}
+    assert PRESETS["paper"] == {"fallback": "objective", "fisher_scalings": ("none",), "fedavg_candidate": False,
+                                "fisher_cap": None}
     assert PRESETS["default"]["fedavg_candidate"] and PRESETS["default"]["fallback"] == "validation"
+    assert PRESETS["default"]["fisher_cap"] is not None and PRESETS["default"]["fisher_cap"] >= 1
 
 
 def test_strategy_preset_wiring():

@@ -1,0 +1,196 @@
+"""Fisher inflation: how much one client that multiplies its Fisher can take over the merge.
+
+For each data set the K clients are trained once (the one-shot benchmark's uploads, cached);
+then one client at a time re-packs its upload with its Fisher multiplied by a factor (``1e3``,
+``1e6``, or scaled to float32's largest value) and the round goes through the strategy's own
+path: :func:`~fedfiot_flwr.strategy_utils.collect_uploads` (the reply bounds) and
+:func:`~fedfiot_flwr.selection.merge_round` with the default preset (validation choice between
+the aligned merge, the identity merge and FedAvg), with and without the robust Fisher cap
+(:func:`fedfiot_flwr.merge.robust.cap_fishers`). Reported: test accuracy, the honest-run
+difference, the attacker's mean per-coordinate weight share (at the chosen rho, lam) and
+whether the attacker was excluded by the reply bounds.
+
+Run (digits, the app's default data, then Fashion-MNIST on the cached one-shot uploads):
+
+    .venv/bin/python benchmarks/fisher_inflation.py --datasets digits fashion-mnist --cache-dir /work/cache
+
+Outputs: ``benchmarks/results/fisher_inflation.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import harness as H  # noqa: E402
+from fedfiot_flwr.client import pack_reply  # noqa: E402
+from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, cap_fishers, weight_shares  # noqa: E402
+from fedfiot_flwr.selection import merge_round  # noqa: E402
+from fedfiot_flwr.strategy_utils import collect_uploads  # noqa: E402
+
+F32_MAX = float(np.finfo(np.float32).max)
+FACTORS = {"1e3": 1e3, "1e6": 1e6, "f32max": None}  # None: every tensor's largest entry at float32 max
+MODELS = {"digits": "mlp", "fashion-mnist": "fednet"}
+VALIDATION = {"digits": 200, "fashion-mnist": 500}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", nargs="+", default=["digits"], choices=sorted(MODELS))
+    p.add_argument("--factors", nargs="+", default=list(FACTORS), choices=list(FACTORS))
+    p.add_argument("--caps", nargs="+", type=float, default=[0.0, DEFAULT_FISHER_CAP],
+                   help="Fisher cap factors to compare (0: no cap, the paper's weighting)")
+    p.add_argument("--attackers", nargs="+", type=int, default=None, help="client indices (default: every client)")
+    p.add_argument("--grid", choices=sorted(H.GRIDS), default="paper", help="rho x lam grid of the default preset")
+    p.add_argument("--fashion-grid", choices=sorted(H.GRIDS), default="small",
+                   help="grid on Fashion-MNIST (its CNN merges are slower)")
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--alpha", type=float, default=0.1)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)
+    p.add_argument("--out", type=Path, default=H.RESULTS_DIR)
+    p.add_argument("--name", default="fisher_inflation")
+    p.add_argument("--threads", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def inflated_reply(uploads: H.Uploads, k: int, factor: float | None) -> Any:
+    """Client ``k``'s reply re-packed with its float32 Fisher inflated."""
+    weights, fisher = uploads.float32.weights[k], uploads.float32.fishers[k]
+    if factor is None:
+        big = {n: np.asarray(f, np.float64) / max(float(np.max(f)), 1e-30) * F32_MAX for n, f in fisher.items()}
+    else:
+        big = {n: np.asarray(f, np.float64) * factor for n, f in fisher.items()}
+    return pack_reply(weights, big, uploads.quantized.num_examples[k], uploads.quantized.metrics[k])
+
+
+def run_scenario(uploads: H.Uploads, replies: list[Any], spec: Any, buffers: Sequence[str], plan: H.MethodPlan,
+                 ev: H.Evaluator, cap: float, attacker: int | None) -> dict[str, Any]:
+    """One round through the strategy's collection and selection; the chosen model's test accuracy."""
+    ids = [str(i) for i in range(len(replies))]
+    expected = {k: tuple(np.shape(v)) for k, v in uploads.float32.weights[0].items()}
+    collected = collect_uploads(list(zip(ids, replies)), expected, buffers)
+    t0 = time.perf_counter()
+    outcome = merge_round(
+        collected, spec, plan.default, max_iters=8, matching="fisher", aggregation="fisher", fallback=plan.fallback,
+        buffers=buffers, broadcast=uploads.broadcast, server_round=2, sweep=plan.grid, validate=ev.validate,
+        metric="accuracy", baseline=False, fedavg_candidate=True, fisher_cap=cap or None,
+    )
+    seconds = time.perf_counter() - t0
+    _, acc = ev.test(outcome.model)
+    _, own_acc = ev.test(outcome.own_model) if outcome.own_model is not None else (None, acc)
+    fishers = cap_fishers(collected.fishers, cap) if cap else collected.fishers
+    shares = weight_shares(fishers, outcome.candidate.rho, outcome.candidate.lam)
+    excluded = attacker is not None and str(attacker) not in collected.client_ids
+    share = 0.0 if attacker is None or excluded else float(shares[collected.client_ids.index(str(attacker))])
+    return {
+        "test_accuracy": float(acc), "own_test_accuracy": float(own_acc), "variant": outcome.variant,
+        "candidate": outcome.candidate.label(), "attacker_share": share, "attacker_excluded": excluded,
+        "max_share": float(np.max(shares)), "rejections": [r.reason[:160] for r in collected.rejections],
+        "seconds": seconds,
+    }
+
+
+def run_dataset(dataset: str, args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
+    setting = H.Setting(dataset, MODELS[dataset], args.clients, args.alpha, "shared", args.seed, args.epochs,
+                        0, VALIDATION[dataset])
+    split = setting.app_config().split()
+    build, spec, buffers = H.model_tools(setting, split)
+    ev = H.Evaluator(split, build)
+    uploads = H.one_shot_uploads(setting, split, buffers, args.cache_dir, None, log)
+    grid = args.grid if dataset == "digits" else args.fashion_grid
+    plan = H.method_plans(["fedfiot-default"], "shared", grid)[0]
+    attackers = args.attackers if args.attackers is not None else list(range(args.clients))
+    rows: list[dict[str, Any]] = []
+    for cap in args.caps:
+        scenarios: list[tuple[str, int | None]] = [("honest", None)]
+        scenarios += [(f, a) for f in args.factors for a in attackers]
+        for factor, attacker in scenarios:
+            replies = list(uploads.replies)
+            if attacker is not None:
+                replies[attacker] = inflated_reply(uploads, attacker, FACTORS[factor])
+            res = run_scenario(uploads, replies, spec, buffers, plan, ev, cap, attacker)
+            row = {"dataset": dataset, "cap": cap, "factor": factor, "attacker": attacker, "grid": grid, **res}
+            rows.append(row)
+            log(f"{dataset} cap={cap:g} {factor:6s} attacker={attacker}: test {100 * res['test_accuracy']:.1f}% "
+                f"({res['variant']}, {res['candidate']}) share {100 * res['attacker_share']:.1f}%"
+                f"{' EXCLUDED' if res['attacker_excluded'] else ''} [{res['seconds']:.1f}s]")
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], command: str, machine: str, wall: float) -> str:
+    lines = [
+        "# Fisher inflation",
+        "",
+        "One client re-packs its upload with its Fisher multiplied by 1e3, 1e6, or scaled so that every tensor's "
+        "largest entry is float32's maximum; the round runs through the strategy's reply checks and the default "
+        "preset's selection (aligned / identity / FedAvg on validation). `cap` is the robust weighting factor "
+        "(0: none, the paper's weighting). Accuracy is on the test set; the loss is against the honest run with the "
+        "same cap; the share is the attacker's mean per-coordinate merge weight at the chosen rho and lambda "
+        "(1/K = honest share).",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {machine}. Wall time {wall / 60:.1f} min.",
+        "",
+        "| data set | cap | inflation | honest acc. | worst acc. | mean acc. | worst loss (pts) | attacker share "
+        "(mean / max) | attacker excluded | FedAvg chosen |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (dataset, cap) in dict.fromkeys((r["dataset"], r["cap"]) for r in rows):
+        honest = next(r for r in rows if r["dataset"] == dataset and r["cap"] == cap and r["attacker"] is None)
+        lines.append(f"| {dataset} | {cap:g} | none | {100 * honest['test_accuracy']:.1f}% | | | | "
+                     f"{100 * honest['max_share']:.1f}% (largest client) | | {honest['variant'] == 'fedavg'} |")
+        for factor in dict.fromkeys(r["factor"] for r in rows if r["attacker"] is not None):
+            sel = [r for r in rows if r["dataset"] == dataset and r["cap"] == cap and r["factor"] == factor
+                   and r["attacker"] is not None]
+            if not sel:
+                continue
+            accs = [r["test_accuracy"] for r in sel]
+            shares = [r["attacker_share"] for r in sel]
+            lines.append(
+                f"| {dataset} | {cap:g} | {factor} | | {100 * min(accs):.1f}% | {100 * float(np.mean(accs)):.1f}% | "
+                f"{100 * (honest['test_accuracy'] - min(accs)):.1f} | {100 * float(np.mean(shares)):.1f}% / "
+                f"{100 * max(shares):.1f}% | {sum(r['attacker_excluded'] for r in sel)}/{len(sel)} | "
+                f"{sum(r['variant'] == 'fedavg' for r in sel)}/{len(sel)} |")
+    lines.append("")
+    lines.append("Honest-run cost of the cap (default preset, cap against no cap):")
+    lines.append("")
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        honest = {r["cap"]: r["test_accuracy"] for r in rows if r["dataset"] == dataset and r["attacker"] is None}
+        if 0.0 in honest:
+            for cap, acc in honest.items():
+                if cap:
+                    lines.append(f"- {dataset}: cap {cap:g}: {100 * acc:.1f}% vs {100 * honest[0.0]:.1f}% "
+                                 f"({100 * (acc - honest[0.0]):+.1f} points)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    H.set_threads(args.threads)
+    log = H.setup_logging(True)
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for dataset in args.datasets:
+        rows += run_dataset(dataset, args, log)
+    wall = time.perf_counter() - t0
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {"command": H.command_line(), "machine": H.machine_description(), "wall_seconds": wall, "rows": rows}
+    H.write_json(args.out / f"{args.name}.json", payload)
+    (args.out / f"{args.name}.md").write_text(markdown(rows, payload["command"], payload["machine"], wall))
+    log(f"wrote {args.out / args.name}.md/.json")
+
+
+if __name__ == "__main__":
+    main()
