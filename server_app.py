@@ -133,6 +133,7 @@ def build_strategy(
         min_train_nodes=min_train,
         min_available_nodes=cfg.num_partitions,
         min_valid_replies=min(cfg.min_valid_replies, min_train),
+        node_wait_s=cfg.node_wait_s,  # a lost SuperNode must not stop the later rounds
         results_path=run_dir / "results.json",
         checkpoint_dir=run_dir / "checkpoints",
         run_info={"app": cfg.as_dict(), "run_dir": str(run_dir)},

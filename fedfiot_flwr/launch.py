@@ -204,6 +204,29 @@ class LocalFederation:
         """PIDs of the started processes by role."""
         return {role: p.pid for role, p in self.processes.items()}
 
+    def kill(self, role: str, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        """Send ``sig`` to one started process (e.g. ``"supernode-2"``) by its PID and wait for it.
+
+        A SuperNode stopped with SIGTERM tells the SuperLink it is leaving, so the SuperLink
+        answers its pending instructions with an error at once; after SIGKILL the SuperLink
+        notices only when the node's heartbeats stop (about a minute with Flower's defaults).
+        What the process spawned (its ClientApp) is left to :meth:`stop`.
+        """
+        proc = self.processes[role]
+        if proc.poll() is None:
+            os.kill(proc.pid, sig)
+            proc.wait(timeout=timeout)
+
+    def node_id(self, role: str, timeout: float = 30.0) -> int:
+        """The Flower node id a SuperNode logged when it registered (``SuperNode ID: <id>``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log_path(role).read_text(errors="replace").splitlines():
+                if "SuperNode ID:" in line:
+                    return int(line.rsplit("SuperNode ID:", 1)[1].split()[0])
+            time.sleep(0.2)
+        raise TimeoutError(f"{role} logged no node id within {timeout:.0f}s; see {self.log_path(role)}")
+
     def flwr_run(
         self,
         app_dir: str | Path,

@@ -32,6 +32,7 @@ from .strategy_utils import (
     CollectedUploads,
     aggregate_client_metrics,
     collect_uploads,
+    NodeWaiter,
     instruction_destinations,
     require_enough,
     resolve_spec,
@@ -360,6 +361,10 @@ class FedFiOT(FedAvg, FedFiOTCore):
         on the server).
     min_valid_replies : int, optional
         Minimum valid replies to merge (default: ``min_train_nodes``).
+    node_wait_s : float, optional
+        Before each round, wait at most this long for ``min_available_nodes`` nodes, then go on
+        with the connected ones (at least ``min_valid_replies``); nodes lost since an earlier
+        round are recorded as ``unavailable_nodes``. ``None``: Flower's unbounded wait.
     results_path : str or Path, optional
         JSON results file (per-round metrics; status "finished"/"failed" at the end).
     checkpoint_dir : str or Path, optional
@@ -399,6 +404,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
         min_valid_replies: int | None = None,
+        node_wait_s: float | None = None,
         results_path: str | Path | None = None,
         checkpoint_dir: str | Path | None = None,
         baseline: bool = True,
@@ -431,6 +437,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
         self.validate_fn = validate_fn
         self.run_info = dict(run_info or {})
         self._instructions: list[Message] = []
+        self._node_waiter = NodeWaiter(node_wait_s)
         if self.sweep is not None and validate_fn is None:
             log(WARNING, "FedFiOT: sweep given without validate_fn; the grid is ignored (nothing to select on)")
         if validate_fn is not None:
@@ -453,9 +460,16 @@ class FedFiOT(FedAvg, FedFiOTCore):
         """Remember the broadcast model (layout check, ``reference="broadcast"``), then sample as FedAvg.
 
         The instructions are remembered too: a reply is attributed to the node its instruction went to.
+        With ``node_wait_s``, the wait for missing nodes is bounded (see :class:`NodeWaiter`).
         """
         self._broadcast = arrays_to_numpy(arrays)
-        self._instructions = list(super().configure_train(server_round, arrays, config, grid))
+        self._instructions, lost = self._node_waiter.configure(
+            self, grid, self.min_valid_replies, server_round,
+            lambda: super(FedFiOT, self).configure_train(server_round, arrays, config, grid),
+        )
+        if lost:
+            log(WARNING, "FedFiOT round %s: nodes %s are no longer connected", server_round, lost)
+            self.results.update_round(server_round, {"unavailable_nodes": lost})
         return self._instructions
 
     def aggregate_train(

@@ -50,6 +50,7 @@ from fedfiot_flwr.strategy_utils import (
     Rejection,
     aggregate_client_metrics,
     DUPLICATE_REASON,
+    NodeWaiter,
     collect_uploads,
     instruction_destinations,
     record_bytes,
@@ -330,7 +331,7 @@ class OneShotBaselineStrategy(FedAvg):
         Also record FedAvg of the same uploads (validation and test), as FedFiOT does.
     min_valid_replies : int, optional
         Minimum valid replies to merge (default: ``min_train_nodes``).
-    results_path, checkpoint_dir, run_info
+    node_wait_s, results_path, checkpoint_dir, run_info
         As in :class:`fedfiot_flwr.FedFiOT`.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes,
     weighted_by_key, arrayrecord_key, configrecord_key, evaluate_metrics_aggr_fn
@@ -354,6 +355,7 @@ class OneShotBaselineStrategy(FedAvg):
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
         min_valid_replies: int | None = None,
+        node_wait_s: float | None = None,
         results_path: str | Path | None = None,
         checkpoint_dir: str | Path | None = None,
         run_info: Mapping[str, Any] | None = None,
@@ -391,6 +393,7 @@ class OneShotBaselineStrategy(FedAvg):
         self.results = ResultsFile(self.results_path, self.config())
         self._broadcast: Model | None = None
         self._instructions: list[Message] = []
+        self._node_waiter = NodeWaiter(node_wait_s)
         self.last_outcome: BaselineOutcome | None = None
         self.last_uploads: CollectedUploads | None = None
         self._fedavg_model: Model | None = None
@@ -454,7 +457,13 @@ class OneShotBaselineStrategy(FedAvg):
     ) -> Iterable[Message]:
         """Remember the broadcast model (layout check of the replies) and the instructions, then sample as FedAvg."""
         self._broadcast = arrays_to_numpy(arrays)
-        self._instructions = list(super().configure_train(server_round, arrays, config, grid))
+        self._instructions, lost = self._node_waiter.configure(
+            self, grid, self.min_valid_replies, server_round,
+            lambda: super(OneShotBaselineStrategy, self).configure_train(server_round, arrays, config, grid),
+        )
+        if lost:
+            log(WARNING, "%s round %s: nodes %s are no longer connected", self.label, server_round, lost)
+            self.results.update_round(server_round, {"unavailable_nodes": lost})
         return self._instructions
 
     def aggregate_train(

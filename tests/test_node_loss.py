@@ -1,0 +1,84 @@
+"""A SuperNode lost during a run: later rounds go on with the nodes left, after a bounded wait."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
+from _fedfiot_helpers import ROOT, SHAPES, SPEC, FakeGrid, live_processes
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from fedfiot_flwr import FedFiOT
+from fedfiot_flwr.launch import LocalFederation
+
+
+def _arrays() -> ArrayRecord:
+    return ArrayRecord({k: Array(np.zeros(s, np.float32)) for k, s in SHAPES.items()})
+
+
+def test_sampling_goes_on_with_the_nodes_left_after_the_wait(tmp_path: Path) -> None:
+    grid = FakeGrid([11, 12, 13], None)
+    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_available_nodes=3, min_valid_replies=2,
+                       node_wait_s=0.2, results_path=tmp_path / "r.json")
+    strategy._node_waiter.poll_s = 0.02
+    first = list(strategy.configure_train(1, _arrays(), ConfigRecord(), grid))
+    assert sorted(m.metadata.dst_node_id for m in first) == [11, 12, 13]
+    grid.node_ids = [11, 13]  # node 12 is gone
+    second = list(strategy.configure_train(2, _arrays(), ConfigRecord(), grid))
+    assert sorted(m.metadata.dst_node_id for m in second) == [11, 13]
+    assert strategy.min_available_nodes == 3 and strategy.min_train_nodes == 3  # restored for later rounds
+    rounds = json.loads((tmp_path / "r.json").read_text())["rounds"]
+    assert rounds[-1]["round"] == 2 and rounds[-1]["unavailable_nodes"] == [12]
+    grid.node_ids = [11]
+    with pytest.raises(RuntimeError, match=r"round 3: only 1 nodes connected .* at least 2 needed"):
+        strategy.configure_train(3, _arrays(), ConfigRecord(), grid)
+
+
+def _wait_for_line(path: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{text!r} not in {path} after {timeout:.0f}s")
+
+
+@pytest.mark.slow
+def test_a_supernode_killed_in_round_1_does_not_stop_the_run(tmp_path: Path) -> None:
+    fed = LocalFederation(mode="deployment", num_supernodes=3, workdir=tmp_path / "fed")
+    results = tmp_path / "results" / "loss" / "results.json"
+    outcome: dict[str, object] = {}
+    try:
+        fed.start()
+        pids = fed.pids()
+        victim = fed.node_id("supernode-2")
+        config = {
+            "num-partitions": 3, "alpha": 0.5, "local-epochs": 60, "validation-size": 100, "num-server-rounds": 3,
+            "sweep-rho": "0.5", "sweep-lam": "1e-4", "node-wait-s": 8.0,
+            "results-dir": str(tmp_path / "results"), "run-name": "loss",
+        }
+        runner = threading.Thread(target=lambda: outcome.update(proc=fed.flwr_run(ROOT, config, timeout=240)))
+        runner.start()
+        _wait_for_line(fed.log_path("supernode-2"), "Received successfully", timeout=120)  # round 1 reached it
+        fed.kill("supernode-2")
+        runner.join(timeout=240)
+        logs = "\n".join(fed.log_path(r).read_text(errors="replace")[-2000:] for r in pids)
+        assert results.exists(), logs
+        data = json.loads(results.read_text())
+    finally:
+        fed.stop()
+    assert live_processes(list(pids.values())) == [], pids
+    assert data["status"] == "finished", f"{data.get('error')}\n{logs}"
+    assert [r["round"] for r in data["rounds"]] == [1, 2, 3]
+    first = data["rounds"][0]
+    assert [r["client"] for r in first["rejected"]] == [str(victim)], first["rejected"]
+    assert "error reply" in first["rejected"][0]["reason"]
+    assert str(victim) not in first["clients"] and len(first["clients"]) == 2
+    for later in data["rounds"][1:]:
+        assert sorted(later["clients"]) == sorted(first["clients"]) and later["rejected"] == [], later
+    assert data["rounds"][1]["unavailable_nodes"] == [victim]
