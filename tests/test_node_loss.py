@@ -58,8 +58,8 @@ def test_a_supernode_killed_in_round_1_does_not_stop_the_run(tmp_path: Path) -> 
         pids = fed.pids()
         victim = fed.node_id("supernode-2")
         config = {
-            "num-partitions": 3, "alpha": 0.5, "local-epochs": 60, "validation-size": 100, "num-server-rounds": 3,
-            "sweep-rho": "0.5", "sweep-lam": "1e-4", "node-wait-s": 8.0,
+            "num-partitions": 3, "alpha": 0.5, "local-epochs": 2, "validation-size": 100, "num-server-rounds": 3,
+            "sweep-rho": "0.5", "sweep-lam": "1e-4", "node-wait-s": 3.0,
             "results-dir": str(tmp_path / "results"), "run-name": "loss",
         }
         runner = threading.Thread(target=lambda: outcome.update(proc=fed.flwr_run(ROOT, config, timeout=240)))

@@ -28,8 +28,9 @@ import numpy as np
 
 __all__ = ["DEFAULT_FISHER_CAP", "cap_fishers", "cap_factors", "weight_shares"]
 
-DEFAULT_FISHER_CAP: float = 4.0
-"""``c`` of the default preset: a client's Fisher may reach 4 times the clients' median."""
+DEFAULT_FISHER_CAP: float = 2.0
+"""``c`` of the default preset: a client's Fisher may reach twice the clients' median (measured in
+``benchmarks/results/fisher_inflation.md``: no honest-run cost, under 1 point lost to inflation)."""
 
 Model = Mapping[str, np.ndarray]
 
