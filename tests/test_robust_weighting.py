@@ -29,7 +29,9 @@ def _distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 
 def test_honest_fishers_of_similar_magnitude_are_untouched() -> None:
-    _, fishers, _ = _honest()
+    rng = np.random.default_rng(1)
+    base = {n: rng.random(size=s) + 0.1 for n, s in SHAPES.items()}
+    fishers = [{n: b * rng.uniform(0.8, 1.25, size=b.shape) for n, b in base.items()} for _ in range(K)]
     scales = cap_factors(fishers, DEFAULT_FISHER_CAP)
     assert all(s == 1.0 for client in scales for s in client.values())
     capped = cap_fishers(fishers, DEFAULT_FISHER_CAP)
