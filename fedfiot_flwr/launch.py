@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,84 @@ def run_config_arg(values: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files of a TLS-enabled SuperLink: the CA certificate and the server's certificate and key."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+
+def generate_tls_files(directory: str | Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"),
+                       days: int = 2) -> TLSFiles:
+    """A private CA and a server certificate for ``hosts`` (for loopback tests and local trials).
+
+    Production federations use certificates from their own CA; see ``docs/deployment-security.md``.
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedfiot test CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP384R1())
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    cert = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = TLSFiles(out / "ca.crt", out / "server.pem", out / "server.key")
+    files.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files.server_key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption()))
+    files.server_key.chmod(0o600)
+    return files
+
+
+def generate_supernode_key(directory: str | Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode authentication key pair (P-384, OpenSSH format): ``(private key, public key)``.
+
+    The same as ``ssh-keygen -t ecdsa -b 384 -N "" -f <directory>/<name>``.
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    private, public = out / name, out / f"{name}.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()))
+    private.chmod(0o600)
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    return private, public
+
+
 @dataclass
 class LocalFederation:
     """A private Flower federation on loopback: one SuperLink and, in deployment mode, SuperNodes.
@@ -88,6 +167,16 @@ class LocalFederation:
         Where ``FLWR_HOME`` and the process logs go (default: a new temp dir, removed on stop).
     env : mapping, optional
         Extra environment variables for every process.
+    tls : TLSFiles, optional
+        Serve the SuperLink over TLS with these files (SuperNodes and ``flwr`` verify it with
+        the CA certificate); default: ``--insecure``.
+    supernode_auth : bool
+        Start the SuperLink with ``--enable-supernode-auth``: only SuperNodes whose public key
+        was registered (``flwr supernode register``) may connect.
+    supernode_keys : sequence of (private key path or None), optional
+        Per SuperNode, the private key it authenticates with (``--auth-supernode-private-key``).
+    registered_keys : sequence of Path
+        Public keys registered with ``flwr supernode register`` before the SuperNodes start.
 
     Attributes
     ----------
@@ -99,6 +188,10 @@ class LocalFederation:
     num_supernodes: int = 2
     workdir: Path | None = None
     env: Mapping[str, str] | None = None
+    tls: TLSFiles | None = None
+    supernode_auth: bool = False
+    supernode_keys: Sequence[Path | None] | None = None
+    registered_keys: Sequence[Path] = ()
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _own_workdir: bool = False
     _logs: list[IO[bytes]] = field(default_factory=list)
@@ -149,12 +242,14 @@ class LocalFederation:
     def start(self, timeout: float = 60.0) -> LocalFederation:
         """Start the SuperLink (and SuperNodes), write the CLI connection, wait until ready."""
         self.flwr_home.mkdir(parents=True, exist_ok=True)
+        security = ("insecure = true\n" if self.tls is None
+                    else f"root-certificates = {json.dumps(str(self.tls.ca_cert))}\n")
         (self.flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "fedfiot"\n\n[superlink.fedfiot]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n',
+            f'[superlink]\ndefault = "fedfiot"\n\n[superlink.fedfiot]\naddress = "127.0.0.1:{self.port}"\n{security}',
             encoding="utf-8",
         )
         cmd = [
-            _bin("flower-superlink"), "--insecure", "--isolation", "subprocess",
+            _bin("flower-superlink"), *self._superlink_security(), "--isolation", "subprocess",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--database", str(self.flwr_home / "state.db"),
             "--disable-runtime-dependency-installation",
@@ -163,21 +258,57 @@ class LocalFederation:
             cmd.append("--simulation")
         self._spawn("superlink", cmd)
         self._wait_health(timeout)
+        for public_key in self.registered_keys:
+            self.register_supernode_key(public_key)
         if self.mode == "deployment":
             for i in range(self.num_supernodes):
-                self._spawn(
-                    f"supernode-{i}",
-                    [
-                        _bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                        "--port", str(self.node_ports[i]),
-                        "--node-config", f"partition-id={i} num-partitions={self.num_supernodes}",
-                    ],
-                )
+                self._spawn(f"supernode-{i}", self.supernode_command(i))
             time.sleep(2.0)  # a SuperNode that cannot start (e.g. port taken) exits at once
             for role, proc in self.processes.items():
-                if proc.poll() is not None:
+                if proc.poll() is not None and not self._may_be_refused(role):
                     raise RuntimeError(f"{role} exited with code {proc.returncode}; see {self.log_path(role)}")
         return self
+
+    def _superlink_security(self) -> list[str]:
+        args = ["--insecure"] if self.tls is None else [
+            "--ssl-ca-certfile", str(self.tls.ca_cert), "--ssl-certfile", str(self.tls.server_cert),
+            "--ssl-keyfile", str(self.tls.server_key),
+        ]
+        return args + (["--enable-supernode-auth"] if self.supernode_auth else [])
+
+    def _key_of(self, i: int) -> Path | None:
+        return None if self.supernode_keys is None or i >= len(self.supernode_keys) else self.supernode_keys[i]
+
+    def _may_be_refused(self, role: str) -> bool:
+        """With SuperNode authentication, a node without a registered key is expected to stop."""
+        return self.supernode_auth and role.startswith("supernode-")
+
+    def supernode_command(self, i: int) -> list[str]:
+        """The ``flower-supernode`` command line of SuperNode ``i`` (partition ``i`` of K)."""
+        cmd = [_bin("flower-supernode")]
+        cmd += ["--insecure"] if self.tls is None else ["--root-certificates", str(self.tls.ca_cert)]
+        if (key := self._key_of(i)) is not None:
+            cmd += ["--auth-supernode-private-key", str(key)]
+        return cmd + [
+            "--superlink", f"127.0.0.1:{self.port}", "--port", str(self.node_ports[i]),
+            "--node-config", f"partition-id={i} num-partitions={self.num_supernodes}",
+        ]
+
+    def register_supernode_key(self, public_key: Path, timeout: float = 60.0) -> str:
+        """``flwr supernode register <public key>`` against this SuperLink; returns the CLI output.
+
+        Raises
+        ------
+        RuntimeError
+            If the CLI reports a failure.
+        """
+        proc = subprocess.run(
+            [_bin("flwr"), "supernode", "register", str(public_key)], env=self.environ(), capture_output=True,
+            text=True, timeout=timeout, cwd=self.workdir, check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"flwr supernode register {public_key} failed: {proc.stdout}{proc.stderr}")
+        return proc.stdout
 
     def _wait_health(self, timeout: float) -> None:
         import httpx
@@ -188,7 +319,12 @@ class LocalFederation:
             if proc.poll() is not None:
                 raise RuntimeError(f"flower-superlink exited with code {proc.returncode}; see {self.log_path('superlink')}")
             try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=0.5).is_success:
+                if self.tls is None:
+                    ok = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=0.5).is_success
+                else:
+                    context = ssl.create_default_context(cafile=str(self.tls.ca_cert))
+                    ok = httpx.get(f"https://127.0.0.1:{self.port}/health", timeout=0.5, verify=context).is_success
+                if ok:
                     return
             except httpx.HTTPError:
                 pass
