@@ -164,6 +164,10 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: str, wall: float
                 f"{100 * max(shares):.1f}% | {sum(r['attacker_excluded'] for r in sel)}/{len(sel)} | "
                 f"{sum(r['variant'] == 'fedavg' for r in sel)}/{len(sel)} |")
     lines.append("")
+    lines.append("An attacker excluded by the reply bounds (a Fisher above `MAX_FISHER_MAGNITUDE`) leaves exactly the "
+                 "honest merge of the other K-1 clients: that row's loss is what losing the client's data costs, "
+                 "not what its Fisher does.")
+    lines.append("")
     lines.append("Honest-run cost of the cap (default preset, cap against no cap):")
     lines.append("")
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
