@@ -30,9 +30,9 @@ from .results import ResultsFile, round_record, run_recorded, save_checkpoint
 from .selection import FALLBACKS, PRESETS, Candidate, MergeOutcome, SweepGrid, merge_round
 from .strategy_utils import (
     CollectedUploads,
+    NodeWaiter,
     aggregate_client_metrics,
     collect_uploads,
-    NodeWaiter,
     instruction_destinations,
     require_enough,
     resolve_spec,
@@ -132,6 +132,8 @@ class FedFiOTCore:
         self.preset = preset
         self.fedavg_candidate = bool(fedavg_candidate)
         self.fisher_cap = None if fisher_cap is None or fisher_cap == 0 else float(fisher_cap)
+        if self.fisher_cap is not None and not (np.isfinite(self.fisher_cap) and self.fisher_cap >= 1):
+            raise ValueError(f"fisher_cap must be 0 (off) or a finite number >= 1, got {fisher_cap!r}")
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
         self.spec, model_buffers = resolve_spec(spec, model)

@@ -82,3 +82,9 @@ def test_the_default_preset_caps_and_the_paper_preset_does_not() -> None:
         attacked = arrays_to_numpy(strategy.aggregate_train(1, attack_msgs)[0])
         results[preset] = _distance(attacked, honest)
     assert results["default"] < 0.5 * results["paper"]
+
+
+def test_strategy_refuses_a_cap_below_one_and_zero_turns_it_off() -> None:
+    with pytest.raises(ValueError, match="fisher_cap"):
+        FedFiOT(spec=SPEC, fisher_cap=0.5)
+    assert FedFiOT(spec=SPEC, fisher_cap=0).core_config()["fisher_cap"] is None
