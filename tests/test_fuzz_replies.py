@@ -181,3 +181,12 @@ def test_any_mix_of_corruptions_merges_exactly_the_valid_replies(
         else:
             sent.append(corrupt(label, up, rng, node))
     check_round(strategy, mark_duplicates(sent), results)
+
+
+def test_reply_limits_examples_hold() -> None:
+    import doctest
+
+    import fedfiot_flwr.reply_limits as limits
+
+    result = doctest.testmod(limits, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

@@ -88,3 +88,12 @@ def test_strategy_refuses_a_cap_below_one_and_zero_turns_it_off() -> None:
     with pytest.raises(ValueError, match="fisher_cap"):
         FedFiOT(spec=SPEC, fisher_cap=0.5)
     assert FedFiOT(spec=SPEC, fisher_cap=0).core_config()["fisher_cap"] is None
+
+
+def test_robust_module_examples_hold() -> None:
+    import doctest
+
+    import fedfiot_flwr.merge.robust as robust
+
+    result = doctest.testmod(robust, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
