@@ -348,7 +348,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
     fedavg_candidate : bool, optional (default: from ``preset``)
         Let FedAvg of the same uploads compete on validation; when it wins it is returned and
         reported as such (``fedavg_won``), with FedFiOT's own merge reported next to it.
-    fisher_cap : float, optional (default: from ``preset``: 2 for "default", none for "paper")
+    fisher_cap : float, optional (default: from ``preset``: 1 for "default", none for "paper")
         Robust weighting: no client's Fisher may exceed this factor times the clients' median
         (:func:`fedfiot_flwr.merge.robust.cap_fishers`); ``0`` turns it off.
     validate_fn : callable, optional

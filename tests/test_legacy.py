@@ -76,7 +76,7 @@ def test_aggregate_fit_matches_message_api_and_excludes_broken_fitres(tmp_path) 
                 (Proxy("status"), FitRes(Status(Code.FIT_NOT_IMPLEMENTED, "nope"), Parameters([], ""), 0, {}))]
     broadcast = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     legacy = FedFiOTLegacy(spec=SPEC, names=NAMES, baseline=False, results_path=tmp_path / "r.json", num_rounds=1,
-                           checkpoint_dir=tmp_path / "ckpt")
+                           checkpoint_dir=tmp_path / "ckpt", fisher_cap=0)  # Fishers as uploaded
     legacy._broadcast = broadcast
     params, metrics = legacy.aggregate_fit(1, results, failures)
     got = _to_dict(params)
@@ -87,7 +87,7 @@ def test_aggregate_fit_matches_message_api_and_excludes_broken_fitres(tmp_path) 
         np.testing.assert_allclose(got[k], expected.model[k], rtol=1e-6, atol=1e-7)
 
     # same answer as the Message-API strategy on the same contents
-    message_api = FedFiOT(spec=SPEC, baseline=False)
+    message_api = FedFiOT(spec=SPEC, baseline=False, fisher_cap=0)
     arrays, _ = message_api.aggregate_train(1, [reply(i + 1, c) for i, c in enumerate(contents)])
     for k, v in arrays_to_numpy(arrays).items():
         np.testing.assert_array_equal(got[k], v)

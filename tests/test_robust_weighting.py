@@ -32,10 +32,17 @@ def test_honest_fishers_of_similar_magnitude_are_untouched() -> None:
     rng = np.random.default_rng(1)
     base = {n: rng.random(size=s) + 0.1 for n, s in SHAPES.items()}
     fishers = [{n: b * rng.uniform(0.8, 1.25, size=b.shape) for n, b in base.items()} for _ in range(K)]
-    scales = cap_factors(fishers, DEFAULT_FISHER_CAP)
+    scales = cap_factors(fishers, 2.0)  # every client within twice the median
     assert all(s == 1.0 for client in scales for s in client.values())
-    capped = cap_fishers(fishers, DEFAULT_FISHER_CAP)
+    capped = cap_fishers(fishers, 2.0)
     assert all(capped[k][n] is fishers[k][n] for k in range(K) for n in fishers[k])
+    # at c = 1, the clients above the median (and only they) are brought down to it
+    at_median = cap_factors(fishers, 1.0)
+    for name in base:
+        means = np.array([f[name].mean() for f in fishers])
+        maxes = np.array([f[name].max() for f in fishers])
+        above = (means > np.median(means)) | (maxes > np.median(maxes))
+        assert [at_median[k][name] < 1.0 for k in range(K)] == above.tolist()
 
 
 @pytest.mark.parametrize("factor", [1e3, 1e6])

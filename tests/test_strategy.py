@@ -36,7 +36,7 @@ def _engine_merge(contents, **kw):
 def test_aggregate_train_equals_engine_merge_of_dequantized_uploads() -> None:
     uploads = client_uploads(3, seed=1)
     replies = _replies(uploads)
-    strategy = FedFiOT(spec=SPEC, lam=1e-3, rho=0.5, max_iters=4, baseline=False)
+    strategy = FedFiOT(spec=SPEC, lam=1e-3, rho=0.5, max_iters=4, baseline=False, fisher_cap=0)  # Fishers as uploaded
     arrays, metrics = strategy.aggregate_train(1, replies)
     expected = _engine_merge([m.content for m in replies], lam=1e-3, rho=0.5, max_iters=4)
     got = arrays_to_numpy(arrays)
@@ -77,7 +77,7 @@ def test_broken_replies_are_excluded_and_merge_equals_merge_of_valid_ones(tmp_pa
         reply(13, corrupt_missing_fisher(packed(w, f, n), "fc3.bias")),
         Message(Error(code=1, reason="client crashed"), reply_to=instruction(14)),
     ]
-    strategy = FedFiOT(spec=SPEC, baseline=False, results_path=tmp_path / "r.json")
+    strategy = FedFiOT(spec=SPEC, baseline=False, results_path=tmp_path / "r.json", fisher_cap=0)
     strategy._broadcast = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     arrays, metrics = strategy.aggregate_train(1, [broken[0], good[0], broken[1], good[1], broken[2], good[2], broken[3]])
     expected = _engine_merge([m.content for m in good])
@@ -160,7 +160,7 @@ def test_validation_fallback_prefers_identity_merge_when_it_validates_better() -
         d = sum(float(np.sum((m[k] - ident[k]) ** 2)) for k in SHAPES)
         return MetricRecord({"accuracy": -d})
 
-    strategy = FedFiOT(spec=SPEC, validate_fn=validate_fn, fallback="validation", baseline=False)
+    strategy = FedFiOT(spec=SPEC, validate_fn=validate_fn, fallback="validation", baseline=False, fisher_cap=0)
     arrays, metrics = strategy.aggregate_train(1, replies)
     got = arrays_to_numpy(arrays)
     for k in SHAPES:
