@@ -116,9 +116,61 @@ def test_sequential_with_flatten_module_is_traced():
     assert_function_preserved(model, spec, torch.randn(3, 1, 8, 8))
 
 
-def test_residual_graph_is_rejected_naming_the_node():
-    with pytest.raises(ValueError, match=r"fx node 'add'"):
-        spec_from_module(Residual())
+class InnerResidual(nn.Module):
+    """A residual stream that starts at a hidden layer (so it may be permuted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc0, self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.fc0(x)
+        h = torch.relu(self.fc1(x)) + x
+        return self.fc2(h)
+
+
+def test_residual_add_on_the_input_fixes_the_stream_instead_of_raising():
+    spec = spec_from_module(Residual())
+    assert spec.perm_names == []  # the stream is the model's input: nothing may move
+    assert set(spec.names) == set(Residual().state_dict())
+
+
+def test_residual_stream_shares_one_permutation():
+    torch.manual_seed(4)
+    model = InnerResidual()
+    spec = spec_from_module(model)
+    assert spec.perm_names == ["P_fc0"]
+    assert [e.perm for e in spec.axes["fc1.weight"]] == ["P_fc0", "P_fc0"]
+    assert spec.axes["fc2.weight"][1].perm == "P_fc0"
+    assert_function_preserved(model, spec, torch.randn(5, 3))
+
+
+def test_unsupported_operation_is_merged_without_alignment_and_logged(caplog):
+    class Sorted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(3, 6), nn.Linear(6, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = torch.sort(torch.relu(self.fc1(x)), dim=1).values  # not permutation-equivariant
+            return self.fc3(torch.relu(self.fc2(h)))
+
+    with caplog.at_level("WARNING"):
+        spec = spec_from_module(Sorted())
+    assert spec.perm_names == ["P_fc2"]
+    assert spec.axes["fc1.weight"] == (None, None) and spec.axes["fc2.weight"][1] is None
+    lines = [r.getMessage() for r in caplog.records if "without alignment" in r.getMessage()]
+    assert len(lines) == 1 and "fc1" in lines[0]
+
+
+def test_a_permutation_that_changes_the_outputs_is_dropped():
+    from fedfiot_flwr.merge.trace import _failing_permutations
+
+    model = MLP()
+    wrong = PermutationSpec({"fc1.weight": ("A", None), "fc1.bias": ("A",), "fc2.weight": ("B", None),
+                             "fc2.bias": ("B",), "fc3.weight": (None, None), "fc3.bias": (None,)})
+    assert _failing_permutations(model, wrong, torch.randn(4, 12)) == ["A", "B"]
+    assert _failing_permutations(model, spec_from_module(model), torch.randn(4, 12)) == []
 
 
 def test_spec_validation():
