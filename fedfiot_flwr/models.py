@@ -10,6 +10,10 @@
   fc 84, fc ``num_classes`` (no biases).
 - ``"mlp"``: flatten, fc 128, ReLU, fc 64, ReLU, fc ``num_classes`` with biases; for
   scikit-learn's 8x8 digits that is 64-128-64-10 (17,226 parameters).
+- ``"resnet20"``: the CIFAR-style ResNet-20 of He et al. (2016) with BatchNorm: conv 3x3,
+  three stages of three basic blocks (16, 32, 64 channels at the default ``width=16``),
+  1x1 conv + BN shortcuts where the shape changes, global average pool, fc. 272,474
+  parameters on 3-channel inputs with 10 classes; any input size works.
 
 All weights get Xavier-uniform initialisation and biases zeros (paper, Appendix C.2); a
 ``seed`` makes the initialisation reproducible without touching torch's global RNG.
@@ -28,9 +32,10 @@ from torch import nn
 
 from fedfiot_flwr.merge import PermutationSpec, cnn_spec, mlp_spec, spec_from_module
 
-__all__ = ["MODEL_NAMES", "ConvNet", "MLP", "build_model", "permutation_spec", "xavier_init_"]
+__all__ = ["MODEL_NAMES", "BasicBlock", "ConvNet", "MLP", "ResNet20", "build_model", "permutation_spec",
+           "xavier_init_"]
 
-MODEL_NAMES = ("fednet", "lenet", "mlp")
+MODEL_NAMES = ("fednet", "lenet", "mlp", "resnet20")
 
 
 class ConvNet(nn.Module):
@@ -133,6 +138,67 @@ class MLP(nn.Module):
         return getattr(self, last)(x)
 
 
+class BasicBlock(nn.Module):
+    """Two 3x3 conv + BN layers and a residual add (1x1 conv + BN shortcut when the shape changes)."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return ``relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))``."""
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet20(nn.Module):
+    """CIFAR-style ResNet-20 with BatchNorm (3 stages x 3 basic blocks).
+
+    Parameters
+    ----------
+    in_channels : int
+        Channels of the input images.
+    num_classes : int
+        Outputs of the last layer (logits).
+    width : int
+        Channels of the first stage; the others have ``2 * width`` and ``4 * width``.
+    blocks_per_stage : int
+        Basic blocks per stage (3 for ResNet-20, 5 for ResNet-32, ...).
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 16, blocks_per_stage: int = 3) -> None:
+        super().__init__()
+        if width < 1 or blocks_per_stage < 1:
+            raise ValueError(f"width and blocks_per_stage must be >= 1, got {width}, {blocks_per_stage}")
+        self.conv1 = nn.Conv2d(in_channels, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        stages: list[nn.Module] = []
+        channels = width
+        for stage, out in enumerate((width, 2 * width, 4 * width)):
+            blocks = []
+            for b in range(blocks_per_stage):
+                blocks.append(BasicBlock(channels, out, 2 if stage > 0 and b == 0 else 1))
+                channels = out
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3 = stages
+        self.fc = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(batch, num_classes)``."""
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
 def xavier_init_(model: nn.Module, seed: int | None = None) -> nn.Module:
     """Xavier-uniform weights and zero biases for every Linear and Conv layer, in place.
 
@@ -176,7 +242,7 @@ def build_model(
     Parameters
     ----------
     name : str
-        ``"fednet"``, ``"lenet"`` or ``"mlp"`` (see the module docstring).
+        ``"fednet"``, ``"lenet"``, ``"mlp"`` or ``"resnet20"`` (see the module docstring).
     input_shape : tuple[int, int, int]
         ``(C, H, W)`` of one example, e.g. ``(3, 32, 32)``, ``(1, 28, 28)`` or ``(1, 8, 8)``.
     num_classes : int
@@ -217,6 +283,8 @@ def _construct(key: str, shape: tuple[int, int, int], num_classes: int, bias: bo
         model: nn.Module = ConvNet(shape, num_classes, (32, 64), (512, 128), 5, bool(bias))
     elif key == "lenet":
         model = ConvNet(shape, num_classes, (6, 16), (120, 84), 5, bool(bias))
+    elif key == "resnet20":
+        model = ResNet20(shape[0], num_classes)
     else:
         in_features = shape[0] * shape[1] * shape[2]
         model = MLP(in_features, num_classes, (128, 64), True if bias is None else bias)

@@ -53,7 +53,9 @@ def arrays_to_numpy(arrays: ArrayRecord) -> Model:
 def numpy_to_arrays(model: Mapping[str, np.ndarray], order: Sequence[str] | None = None) -> ArrayRecord:
     """Convert a numpy dict into an ArrayRecord, keys in ``order`` (default: the dict's order)."""
     keys = list(order) if order is not None else list(model)
-    return ArrayRecord({k: Array.from_numpy_ndarray(np.ascontiguousarray(model[k])) for k in keys})
+    # np.array(copy, order="C"), not np.ascontiguousarray: the latter turns 0-d buffers
+    # (BatchNorm's num_batches_tracked) into shape (1,), which the next round then rejects.
+    return ArrayRecord({k: Array.from_numpy_ndarray(np.array(model[k], order="C")) for k in keys})
 
 
 class FedFiOTCore:
@@ -157,6 +159,7 @@ class FedFiOTCore:
         self.last_outcome: MergeOutcome | None = None
         self.last_uploads: CollectedUploads | None = None
         self._broadcast: Model | None = None
+        self.bn_recalibration: Callable[[Model], Model] | None = None
         self._core_validate: Callable[[int, Model], Mapping[str, float] | None] | None = None
 
     def core_config(self) -> dict[str, Any]:
@@ -250,6 +253,8 @@ class FedFiOTCore:
         )
         order = list(broadcast) if broadcast is not None else list(uploads.weights[0])
         model = {k: outcome.model[k] for k in order}
+        if self.bn_recalibration is not None:
+            model = self.bn_recalibration(model)
         self.last_outcome, self.last_uploads = outcome, uploads
         record = round_record(server_round, uploads, outcome, self.matching)
         if self.checkpoint_dir is not None:
@@ -377,6 +382,12 @@ class FedFiOT(FedAvg, FedFiOTCore):
         Extra entries for the results file's ``"config"`` (e.g. the app's run config).
     weighted_by_key, arrayrecord_key, configrecord_key, evaluate_metrics_aggr_fn
         As in ``FedAvg``.
+    bn_recalibration : callable, optional
+        ``model dict -> model dict`` applied to every round's merged model before it is
+        evaluated, checkpointed and broadcast, e.g.
+        :func:`fedfiot_flwr.batchnorm.batchnorm_recalibration` (BatchNorm running statistics
+        recomputed on server data). Without it, BN statistics are the merge's size-weighted
+        averages of the clients' (permuted) statistics.
     """
 
     # pylint: disable=too-many-arguments,too-many-locals
@@ -415,6 +426,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
         evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
+        bn_recalibration: Callable[[Model], Model] | None = None,
     ) -> None:
         FedAvg.__init__(
             self,
@@ -437,6 +449,7 @@ class FedFiOT(FedAvg, FedFiOTCore):
             results_path=results_path, checkpoint_dir=checkpoint_dir, baseline=baseline,
         )
         self.validate_fn = validate_fn
+        self.bn_recalibration = bn_recalibration
         self.run_info = dict(run_info or {})
         self._instructions: list[Message] = []
         self._node_waiter = NodeWaiter(node_wait_s)
