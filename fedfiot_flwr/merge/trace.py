@@ -133,14 +133,15 @@ def _permute_in_place(model: Any, spec: PermutationSpec, perms: Mapping[str, np.
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, entries in spec.axes.items():
-            new = state[name].data
+            original = state[name].data
+            new = original
             for axis, entry in enumerate(entries):
                 if entry is not None and entry.perm in perms:
                     index = torch.as_tensor(expand_block_permutation(perms[entry.perm], entry.block))
                     new = new.index_select(axis, index)
-            if new is not state[name].data:
-                saved[name] = state[name].data.clone()
-                state[name].data.copy_(new)
+            if new is not original:
+                saved[name] = original.clone()
+                original.copy_(new)
     return saved
 
 
