@@ -13,7 +13,8 @@
 - ``"resnet20"``: the CIFAR-style ResNet-20 of He et al. (2016) with BatchNorm: conv 3x3,
   three stages of three basic blocks (16, 32, 64 channels at the default ``width=16``),
   1x1 conv + BN shortcuts where the shape changes, global average pool, fc. 272,474
-  parameters on 3-channel inputs with 10 classes; any input size works.
+  parameters on 3-channel inputs with 10 classes; any input size works. ``"resnet20-w8"``
+  (any ``-w<N>``) sets the first stage's width.
 
 All weights get Xavier-uniform initialisation and biases zeros (paper, Appendix C.2); a
 ``seed`` makes the initialisation reproducible without touching torch's global RNG.
@@ -269,6 +270,11 @@ def build_model(
         raise ValueError(f"num_classes must be >= 2, got {num_classes!r}")
     shape = tuple(int(s) for s in input_shape)
     key = name.lower()
+    if key.startswith("resnet20-w") and key[len("resnet20-w"):].isdigit():
+        width = int(key[len("resnet20-w"):])
+        with torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext():
+            model = ResNet20(shape[0], int(num_classes), width=width)
+        return xavier_init_(model, seed)
     if key not in MODEL_NAMES:
         raise ValueError(f"unknown model {name!r}; choose one of {MODEL_NAMES}")
     # torch's default layer init draws from the global RNG; with a seed, keep it untouched.
