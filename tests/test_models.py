@@ -96,3 +96,17 @@ def test_bad_arguments() -> None:
         build_model("mlp", (8, 8), 10)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_classes"):
         build_model("mlp", (1, 8, 8), 1)
+
+
+def test_resnet20_size_width_and_derived_spec() -> None:
+    model = build_model("resnet20", (3, 32, 32), 10, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == 272_474  # He et al.'s ResNet-20 (+ projection shortcuts)
+    narrow = build_model("resnet20-w4", (1, 28, 28), 10, seed=0)
+    assert narrow.conv1.out_channels == 4 and narrow.fc.in_features == 16
+    assert narrow(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    spec = permutation_spec(narrow)
+    assert len(spec.perm_names) == 12  # 3 residual streams + 9 block-internal layers
+    stream = spec.axes["conv1.weight"][0].perm
+    assert spec.axes["layer1.2.bn2.running_var"][0].perm == stream
+    with pytest.raises(ValueError, match="unknown model"):
+        build_model("resnet20-wide", (1, 28, 28), 10)
