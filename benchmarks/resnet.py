@@ -237,11 +237,12 @@ def merge_time(args: argparse.Namespace) -> dict[str, Any]:
         fishers = [{n: (rng.standard_normal(v.shape) ** 2).astype(np.float32) for n, v in m.items() if n in params}
                    for m in models]
         buffers = [n for n in models[0] if n not in params]
-        res = merge(models, fishers, spec, num_examples=list(rng.integers(500, 5000, args.clients)),
-                    buffers=buffers, max_iters=args.max_iters)
+        sizes = list(rng.integers(500, 5000, args.clients))
+        fedavg = merge(models, fishers, spec, num_examples=sizes, buffers=buffers, matching="none", aggregation="size")
+        res = merge(models, fishers, spec, num_examples=sizes, buffers=buffers, max_iters=args.max_iters)
         rows.append({"init": init, "clients": args.clients, "parameters": int(sum(np.size(models[0][n]) for n in params)),
                      "permutations": len(spec.perm_names), "neurons": int(sum(r.size for r in res.reports.values())),
-                     "merge_seconds": res.seconds, "spec_seconds": spec_seconds,
+                     "merge_seconds": res.seconds, "spec_seconds": spec_seconds, "fedavg_seconds": fedavg.seconds,
                      "fraction_permuted": float(np.mean(res.fraction_permuted)), "aligned_kept": res.aligned,
                      "iterations": {p: r.iterations for p, r in res.reports.items()}})
         print(rows[-1], flush=True)
@@ -249,11 +250,13 @@ def merge_time(args: argparse.Namespace) -> dict[str, Any]:
              "Random positive Fisher (squared normals); max_iters = %d; numpy engine, %s thread(s). "
              "Shared init: the same initialisation plus 5%%-of-std Gaussian noise per client." % (
                  args.max_iters, args.threads), "",
-             "| init | parameters | permutations (neurons) | spec derivation (s) | merge (s) | neurons permuted |",
-             "|---|---|---|---|---|---|"]
+             "| init | parameters | permutations (neurons) | spec derivation (s) | merge (s) | FedAvg, same engine (s) "
+             "| ratio | neurons permuted |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['init']} | {r['parameters']:,} | {r['permutations']} ({r['neurons']}) | "
-                     f"{r['spec_seconds']:.1f} | {r['merge_seconds']:.1f} | {100 * r['fraction_permuted']:.1f}% |")
+                     f"{r['spec_seconds']:.1f} | {r['merge_seconds']:.1f} | {r['fedavg_seconds']:.1f} | "
+                     f"{r['merge_seconds'] / r['fedavg_seconds']:.0f}x | {100 * r['fraction_permuted']:.1f}% |")
     lines += ["", f"Machine: {H.machine_description()}.", "", f"Command: `{H.command_line()}`", ""]
     payload = {"rows": rows, "machine": H.machine_description(), "command": H.command_line()}
     write(args.out, "resnet20_merge_time_resnet18", payload, "\n".join(lines))
