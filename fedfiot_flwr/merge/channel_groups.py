@@ -17,7 +17,6 @@ join them. :func:`fedfiot_flwr.merge.trace.spec_from_module` also checks every g
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -73,9 +72,9 @@ class ChannelGroups:
         Free groups (a permutation each), keyed by a group id: the (tensor, axis) pairs it moves.
     blocks : dict[tuple[str, int], tuple[str, int]]
         (tensor, axis) moved in blocks by a free group: ``(group id, block)`` (flatten outputs).
-    fixed : dict[str, set[str]]
-        For every tensor with an axis that cannot be permuted although it has more than one
-        element: why (operation names); boundary reasons (model input/output, ...) included.
+    fixed : dict[tuple[str, int], set[str]]
+        Every (tensor, axis) longer than 1 that cannot be permuted, with the reasons (operation
+        names; boundary reasons such as the model's input and output included).
     """
 
     groups: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
@@ -620,8 +619,3 @@ def derive_channel_groups(module: nn.Module, example_input: Any) -> ChannelGroup
     builder = _GroupBuilder(module, gm)
     builder.run()
     return builder.result()
-
-
-def numel(shape: Sequence[int]) -> int:
-    """Number of elements of a shape."""
-    return int(math.prod(shape))

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import AxisEntry, AxisPerm, PermutationSpec, expand_block_permutation
+from .spec import AxisEntry, PermutationSpec, expand_block_permutation
 
 logger = logging.getLogger(__name__)
 
@@ -276,4 +276,4 @@ def spec_from_module(
     return spec
 
 
-__all__ = ["AxisPerm", "guess_example_input", "identity_spec", "spec_from_module"]
+__all__ = ["guess_example_input", "identity_spec", "spec_from_module"]
