@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fedfiot_flwr.merge import PermutationSpec, apply_permutations, cnn_spec, mlp_spec, spec_from_module
-from fedfiot_flwr.merge.spec import expand_block_permutation, invert_permutation
+from fedfiot_flwr.merge.spec import AxisPerm, expand_block_permutation, invert_permutation
 
 
 class MLP(nn.Module):
@@ -189,3 +189,36 @@ def test_block_and_inverse_permutations():
     p = np.array([2, 0, 1])
     assert expand_block_permutation(p, 2).tolist() == [4, 5, 0, 1, 2, 3]
     assert p[invert_permutation(p)].tolist() == [0, 1, 2]
+
+
+class GroupedNet(nn.Module):
+    """A grouped conv, a GroupNorm with several channels per group, and a depthwise conv with a multiplier."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 8, 3, padding=1)
+        self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.gn = nn.GroupNorm(2, 8)
+        self.pre = nn.Conv2d(8, 4, 1)
+        self.depthwise = nn.Conv2d(4, 8, 3, padding=1, groups=4)  # two filters per input channel
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.gn(self.grouped(torch.relu(self.stem(x)))))
+        x = torch.relu(self.depthwise(torch.relu(self.pre(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_grouped_conv_and_groupnorm_are_left_unaligned_and_a_channel_multiplier_moves_blocks(caplog):
+    torch.manual_seed(5)
+    model = GroupedNet()
+    with caplog.at_level("WARNING"):
+        spec = spec_from_module(model, example_input=torch.randn(2, 2, 6, 6))
+    assert spec.axes["stem.weight"][0] is None and spec.axes["grouped.weight"][0] is None
+    assert spec.axes["gn.weight"] == (None,)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "grouped convolution" in logged and "GroupNorm" in logged
+    assert spec.perm_names == ["P_pre"]
+    assert spec.axes["depthwise.weight"][0] == AxisPerm("P_pre", 2)
+    assert spec.axes["fc.weight"][1] == AxisPerm("P_pre", 2)
+    assert_function_preserved(model, spec, torch.randn(3, 2, 6, 6))
