@@ -15,7 +15,7 @@ and fraction of neurons permuted.
 
 Run (about 30 min on one busy CPU core for both inits, most of it the clients' Fisher pass):
 
-    .venv/bin/python benchmarks/resnet.py one-shot
+    .venv/bin/python benchmarks/resnet.py one-shot              # uploads cached under benchmarks/cache/subset-*
     .venv/bin/python benchmarks/resnet.py merge-time
 
 Outputs: ``benchmarks/results/resnet20_one_shot.{md,json}`` and
@@ -69,6 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     one.add_argument("--fisher-examples", type=int, default=500,
                      help="examples of the client's training subset its Fisher is estimated on")
     one.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)
+    one.add_argument("--name", default="resnet20_one_shot", help="output file stem")
     mt = sub.add_parser("merge-time")
     mt.add_argument("--clients", type=int, default=6)
     mt.add_argument("--max-iters", type=int, default=8)
@@ -82,13 +83,14 @@ def subset_uploads(setting: H.Setting, split: Any, buffers: Sequence[str], fract
                    cache_dir: Path, device: torch.device, log: Callable[[str], None]) -> H.Uploads:
     """Like :func:`benchmarks.harness.one_shot_uploads`, each client training on a random ``fraction``
     of its examples (reported as its ``num_examples``) and estimating its Fisher on at most
-    ``fisher_examples`` of them; cached per client."""
+    ``fisher_examples`` of them; cached per client under ``cache_dir`` (which must be specific to
+    ``fraction`` and ``fisher_examples``: see :func:`subset_cache`)."""
     cfg = setting.app_config()
     broadcast = H.state_numpy(cfg.build_model(split)) if setting.init == "shared" else None
     results = []
     cached = True
     for pid in range(setting.clients):
-        path = Path(cache_dir) / f"{setting.cache_key()}-f{fraction:g}-F{fisher_examples}" / f"client{pid}.npz"
+        path = Path(cache_dir) / setting.cache_key() / f"client{pid}.npz"
         if path.is_file():
             results.append(H._load_client(path))
             continue
@@ -121,6 +123,11 @@ def subset_uploads(setting: H.Setting, split: Any, buffers: Sequence[str], fract
     return out
 
 
+def subset_cache(cache_dir: Path, fraction: float, fisher_examples: int) -> Path:
+    """Cache root of the subset uploads (and of the curvature baselines computed from them)."""
+    return Path(cache_dir) / f"subset-f{fraction:g}-F{fisher_examples}"
+
+
 def recalibrator(build: Callable[[], torch.nn.Module], batches: Sequence[Any]) -> Callable[[H.Model], H.Model]:
     """``model dict -> model dict`` with BN statistics recomputed on ``batches``."""
     model = build().to(batches[0][0].device)
@@ -139,6 +146,7 @@ def one_shot(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     payload: dict[str, Any] = {"command": H.command_line(), "machine": H.machine_description(), "records": [],
                                "settings": [], "model": f"resnet20-w{args.width}"}
+    cache = subset_cache(args.cache_dir, args.fraction, args.fisher_examples)
     for init in args.inits:
         setting = H.Setting("fashion-mnist", f"resnet20-w{args.width}", args.clients, args.alpha, init, args.seed,
                             args.epochs)
@@ -148,8 +156,7 @@ def one_shot(args: argparse.Namespace) -> dict[str, Any]:
         ev = H.Evaluator(split, build, device)
         recal = recalibrator(build, ev.validation)
         log(f"{setting.column()} (K={setting.clients}, {setting.model}, {len(spec.perm_names)} permutations)")
-        uploads = subset_uploads(setting, split, buffers, args.fraction, args.fisher_examples, args.cache_dir,
-                                 device, log)
+        uploads = subset_uploads(setting, split, buffers, args.fraction, args.fisher_examples, cache, device, log)
         payload["settings"].append({**H.record_fields(setting), "cached": uploads.cached,
                                     "train_seconds": uploads.train_seconds, "fisher_seconds": uploads.fisher_seconds,
                                     "client_sizes": list(uploads.quantized.num_examples),
@@ -171,7 +178,7 @@ def one_shot(args: argparse.Namespace) -> dict[str, Any]:
                     f"  permuted {100 * res.fraction_permuted:4.1f}%  {H.knob_text(res.knobs)}")
             for method in [m for m in args.methods if m in H.CURVATURE_METHODS]:
                 cres = H.apply_curvature_method(method, setting, split, uploads, build, buffers, validate,
-                                                H.FEDFISHER_STEPS, "true", args.cache_dir, device, log)
+                                                H.FEDFISHER_STEPS, "true", cache, device, log)
                 model = cres.model if bn == "merged" else recal(cres.model)
                 loss, acc = ev.test(model)
                 payload["records"].append({**H.record_fields(setting), "method": method, "bn": bn,
@@ -180,7 +187,7 @@ def one_shot(args: argparse.Namespace) -> dict[str, Any]:
                                            "knobs": cres.knobs, "merge_seconds": cres.merge_seconds})
                 log(f"  {method:16s} BN {bn:10s} test {100 * acc:5.1f}%  val {100 * cres.validation_accuracy:5.1f}%")
         payload["wall_seconds"] = time.perf_counter() - start
-        write(args.out, "resnet20_one_shot", payload, one_shot_markdown(payload))
+        write(args.out, args.name, payload, one_shot_markdown(payload))
     return payload
 
 
