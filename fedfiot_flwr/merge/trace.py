@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,33 +38,44 @@ def _first_layer(module: Any) -> Any:
     return next((m for m in module.modules() if isinstance(m, kinds)), None)
 
 
-def _candidate_inputs(module: Any) -> list[Any]:
-    """Batches of two examples that the module plausibly accepts, most likely first."""
+def _candidate_inputs(module: Any) -> Iterator[Any]:
+    """Batches of two examples that the module plausibly accepts, most likely first (made lazily)."""
     import torch
-    from torch import nn
 
     first = _first_layer(module)
     params = list(module.parameters())
     dtype = params[0].dtype if params and params[0].is_floating_point() else torch.float32
+    device = params[0].device if params else torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
     if first is None:
-        return []
+        return
+    for x in _cpu_candidates(module, first, dtype, gen):
+        yield x.to(device)
+
+
+def _cpu_candidates(module: Any, first: Any, dtype: Any, gen: Any) -> Iterator[Any]:
+    import torch
+    from torch import nn
+
     if isinstance(first, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[type(first)]
         fixed = getattr(module, "image_size", None)
         sizes = ([int(fixed)] if isinstance(fixed, int) else []) + list(_IMAGE_SIZES)
         sizes += [s for s in range(1, 257) if s not in sizes]
-        return [torch.randn((2, first.in_channels) + (s,) * dims, generator=gen, dtype=dtype) for s in sizes]
+        for s in sizes:
+            yield torch.randn((2, first.in_channels) + (s,) * dims, generator=gen, dtype=dtype)
+        return
     if isinstance(first, nn.Linear):
-        return [torch.randn(2, first.in_features, generator=gen, dtype=dtype)]
-    if isinstance(first, nn.Embedding):
-        return [torch.randint(0, first.num_embeddings, (2, 8), generator=gen)]
-    if isinstance(first, nn.RNNBase):
+        yield torch.randn(2, first.in_features, generator=gen, dtype=dtype)
+    elif isinstance(first, nn.Embedding):
+        yield torch.randint(0, first.num_embeddings, (2, 8), generator=gen)
+    elif isinstance(first, nn.RNNBase):
         shape = (2, 5, first.input_size) if first.batch_first else (5, 2, first.input_size)
-        return [torch.randn(shape, generator=gen, dtype=dtype)]
-    if isinstance(first, nn.BatchNorm1d):
-        return [torch.randn(2, first.num_features, generator=gen, dtype=dtype)]
-    return [torch.randn(2, *first.normalized_shape, generator=gen, dtype=dtype)]
+        yield torch.randn(shape, generator=gen, dtype=dtype)
+    elif isinstance(first, nn.BatchNorm1d):
+        yield torch.randn(2, first.num_features, generator=gen, dtype=dtype)
+    else:
+        yield torch.randn(2, *first.normalized_shape, generator=gen, dtype=dtype)
 
 
 def guess_example_input(module: Any) -> Any | None:
@@ -116,9 +127,9 @@ def _perturbed_copy(module: Any, example: Any, seed: int) -> tuple[Any, Any]:
         for name, t in model.state_dict(keep_vars=True).items():
             if not t.is_floating_point() or t.numel() == 0:
                 continue
-            noise = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype)
             if name.endswith("running_var"):
-                t.mul_(0.5 + torch.rand(t.shape, generator=gen, dtype=torch.float64).to(t.dtype))
+                t.mul_(0.5 + torch.rand(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype))
             else:
                 scale = float(t.std()) if t.numel() > 1 and float(t.std()) > 0 else 1.0
                 t.add_(0.1 * scale * noise)
@@ -137,7 +148,8 @@ def _permute_in_place(model: Any, spec: PermutationSpec, perms: Mapping[str, np.
             new = original
             for axis, entry in enumerate(entries):
                 if entry is not None and entry.perm in perms:
-                    index = torch.as_tensor(expand_block_permutation(perms[entry.perm], entry.block))
+                    index = torch.as_tensor(expand_block_permutation(perms[entry.perm], entry.block),
+                                            device=original.device)
                     new = new.index_select(axis, index)
             if new is not original:
                 saved[name] = original.clone()
