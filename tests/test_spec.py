@@ -222,3 +222,21 @@ def test_grouped_conv_and_groupnorm_are_left_unaligned_and_a_channel_multiplier_
     assert spec.axes["depthwise.weight"][0] == AxisPerm("P_pre", 2)
     assert spec.axes["fc.weight"][1] == AxisPerm("P_pre", 2)
     assert_function_preserved(model, spec, torch.randn(3, 2, 6, 6))
+
+
+def test_a_model_torch_fx_cannot_trace_is_merged_without_alignment(caplog):
+    class Branching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            if float(h.sum()) > 0:  # data-dependent control flow: symbolic tracing fails
+                h = -h
+            return self.fc2(h)
+
+    with caplog.at_level("WARNING"):
+        spec = spec_from_module(Branching())
+    assert spec.perm_names == [] and set(spec.names) == set(Branching().state_dict())
+    assert sum("cannot trace" in r.getMessage() for r in caplog.records) == 1

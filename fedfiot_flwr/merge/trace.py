@@ -273,17 +273,20 @@ def spec_from_module(
     for (n, a), why in found.fixed.items():
         if a == 0 and n in params and why - BOUNDARY_REASONS:
             unaligned.setdefault(_module_of(n), set()).update(why - BOUNDARY_REASONS)
-    spec = PermutationSpec({k: tuple(v) for k, v in axes.items()})
-
-    if verify and spec.perm_names:
-        failing = _failing_permutations(module, spec, example)
-        if failing:
-            for perm in failing:
-                unaligned.setdefault(perm[len(perm_prefix):], set()).add("permuting it changed the outputs")
-            drop = set(failing)
-            spec = PermutationSpec({
-                k: tuple(None if e is not None and e.perm in drop else e for e in v) for k, v in spec.axes.items()
-            })
+    try:
+        spec = PermutationSpec({k: tuple(v) for k, v in axes.items()})
+        failing = _failing_permutations(module, spec, example) if verify and spec.perm_names else []
+    except Exception as err:  # noqa: BLE001 - inconsistent groups: merge without alignment rather than fail
+        logger.warning("spec_from_module: merging %s without alignment (its derived groups are inconsistent: %s)",
+                       type(module).__name__, err)
+        return identity_spec(module)
+    if failing:
+        for perm in failing:
+            unaligned.setdefault(perm[len(perm_prefix):], set()).add("permuting it changed the outputs")
+        drop = set(failing)
+        spec = PermutationSpec({
+            k: tuple(None if e is not None and e.perm in drop else e for e in v) for k, v in spec.axes.items()
+        })
     _log_unaligned(unaligned)
     return spec
 
