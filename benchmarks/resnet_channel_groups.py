@@ -11,7 +11,8 @@ parameter. Groups touching a module it prunes internally (attention, RNNs, embed
 counted as "not convertible". The classifier (last Linear layer) is passed as an ignored layer,
 as torch-pruning's users do.
 
-Run: ``.venv/bin/python benchmarks/resnet_channel_groups.py`` (needs ``torch-pruning``; about a
+Run: ``.venv/bin/python benchmarks/resnet_channel_groups.py`` (needs ``torch-pruning``, the
+``groups-comparison`` extra; about a
 minute on one CPU core). Writes ``benchmarks/results/resnet20_channel_groups.{md,json}``.
 """
 
