@@ -17,7 +17,9 @@ FedFiOT                "fisher"      "fisher"
 
 from .costs import aggregate, assign, euclidean_cost_matrix, fisher_cost_matrix
 from .engine import FISHER_SCALINGS, MergeResult, PermutationReport, damp_fisher, merge, scale_fishers
+from .lap import LAP_SOLVERS
 from .presets import METHODS, method_options
+from .prepared import PreparedClients, prepare_clients
 from .spec import (
     AxisPerm,
     Layer,
@@ -33,11 +35,13 @@ from .trace import spec_from_module
 __all__ = [
     "AxisPerm",
     "FISHER_SCALINGS",
+    "LAP_SOLVERS",
     "Layer",
     "METHODS",
     "MergeResult",
     "PermutationReport",
     "PermutationSpec",
+    "PreparedClients",
     "aggregate",
     "apply_permutations",
     "assign",
@@ -50,6 +54,7 @@ __all__ = [
     "merge",
     "method_options",
     "mlp_spec",
+    "prepare_clients",
     "scale_fishers",
     "spec_from_module",
 ]

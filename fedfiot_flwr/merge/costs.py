@@ -7,10 +7,12 @@ with matrix products, so memory is O(m*d + m*m) per client, never O(m*m*d).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
+
+from .backend import COST_DTYPES, Backend, NumpyBackend
+from .lap import assign as _assign
 
 
 def fisher_cost_matrix(w: np.ndarray, w_k: np.ndarray, f_k: np.ndarray) -> np.ndarray:
@@ -72,16 +74,16 @@ def euclidean_cost_matrices(
             yield row_norms - 2.0 * product[:, k * m:(k + 1) * m] + np.einsum("jc,jc->j", x, x)[None, :]
 
 
-def assign(cost: np.ndarray) -> np.ndarray:
+def assign(cost: np.ndarray, solver: str = "scipy") -> np.ndarray:
     """Exact minimum-cost assignment; returns ``p`` with global neuron ``i`` <- client neuron ``p[i]``.
+
+    ``solver`` is scipy's (default) or the optional ``lap`` package's LAPJV; see
+    :func:`fedfiot_flwr.merge.lap.assign`.
 
     >>> assign(np.array([[5., 1.], [1., 5.]])).tolist()
     [1, 0]
     """
-    rows, cols = linear_sum_assignment(cost)
-    p = np.empty(cost.shape[0], dtype=np.int64)
-    p[rows] = cols
-    return p
+    return _assign(cost, solver)
 
 
 def aggregate(
@@ -114,3 +116,154 @@ def aggregate(
     for x, c in zip(layers, cw):
         out += c * x
     return out
+
+
+ClientLoader = Callable[[int], tuple[np.ndarray, np.ndarray]]
+
+
+class ClientLayers:
+    """One permutation's client layers and damped Fishers, prepared once per alignment.
+
+    Holds, per client ``k``, the cost-GEMM input ``[f_k, f_k*w_k]`` (``(m, 2d)``) and the row
+    constants ``sum_c f_k w_k**2``, so that every inner iteration only builds the left factor
+    ``[w*w, -2 w]`` from the current global layer. With ``stack=False`` nothing is kept: each
+    use reloads the client through ``load`` (memory O(m*d) instead of O(K*m*d); for many
+    clients or very wide layers).
+
+    Parameters
+    ----------
+    load : callable
+        ``k -> (w_k, f_k)``: client ``k``'s layer and damped Fisher, ``(m, d)`` float64, incoming
+        coordinates already in the global order.
+    n_clients : int
+        Number of clients ``K``.
+    keep_layers : bool
+        Also keep ``w_k`` (needed by the Euclidean cost and the scalar averages).
+    stack : bool
+        Keep every client's data (fast) or reload on each use (streaming).
+    cost_dtype : {"float64", "float32"}
+        Precision of the cost GEMMs; aggregation and objectives stay float64.
+    backend : NumpyBackend or TorchBackend
+        Where the cost GEMMs and gathers run.
+    max_bytes : int
+        Largest cost product of one GEMM (clients are grouped under it).
+    """
+
+    def __init__(
+        self,
+        load: ClientLoader,
+        n_clients: int,
+        *,
+        keep_layers: bool = False,
+        stack: bool = True,
+        cost_dtype: str = "float64",
+        backend: Backend | None = None,
+        max_bytes: int = 2**26,
+    ) -> None:
+        if cost_dtype not in COST_DTYPES:
+            raise ValueError(f"cost_dtype must be one of {COST_DTYPES}, got {cost_dtype!r}")
+        self.load, self.n_clients, self.keep_layers = load, n_clients, keep_layers
+        self.cost_dtype, self.max_bytes = cost_dtype, max_bytes
+        self.backend = backend if backend is not None else NumpyBackend()
+        self.stacked = stack
+        self.const = 0.0  # sum_k sum f_k w_k**2: invariant under alignment
+        self._exact = self._cost = self._layers = None  # stacked: (K*m, 2d), (K*m, 2d), (K*m, d)
+        self._row_const: list[np.ndarray] = []
+        self._col_norms: list[np.ndarray] = []
+        be = self.backend
+        for k in range(n_clients):
+            x, f = load(k)
+            fx = f * x
+            self.const += float(np.vdot(fx, x))
+            if not stack:
+                continue
+            m, d = x.shape
+            if self._exact is None:
+                self._exact = be.empty((n_clients * m, 2 * d), "float64")
+                if keep_layers:
+                    self._layers = be.empty((n_clients * m, d), "float64")
+            rows = slice(k * m, (k + 1) * m)
+            self._exact[rows, :d] = be.asarray(f, "float64")
+            self._exact[rows, d:] = be.asarray(fx, "float64")
+            self._row_const.append(np.einsum("jc,jc,jc->j", f, x, x))
+            if keep_layers:
+                self._layers[rows] = be.asarray(x, "float64")
+                self._col_norms.append(np.einsum("jc,jc->j", x, x))
+            del x, f, fx
+        if stack and self._exact is not None:
+            self._cost = self._exact if cost_dtype == "float64" else be.asarray(self._exact, cost_dtype)
+
+    def _client(self, k: int, m: int) -> tuple:
+        """``(exact [f, fx], w_k or None, row constants, column norms)`` of client ``k``."""
+        if self.stacked:
+            rows = slice(k * m, (k + 1) * m)
+            layer = self._layers[rows] if self.keep_layers else None
+            norms = self._col_norms[k] if self.keep_layers else None
+            return self._exact[rows], layer, self._row_const[k], norms
+        x, f = self.load(k)
+        exact = self.backend.asarray(np.concatenate([f, f * x], axis=1), "float64")
+        return exact, self.backend.asarray(x, "float64"), np.einsum("jc,jc,jc->j", f, x, x), np.einsum("jc,jc->j", x, x)
+
+    def _groups(self, m: int) -> Iterator[range]:
+        group = max(1, self.max_bytes // (8 * m * m)) if self.stacked else 1
+        for first in range(0, self.n_clients, group):
+            yield range(first, min(self.n_clients, first + group))
+
+    def fisher_costs(self, w: np.ndarray) -> Iterator[np.ndarray]:
+        """:func:`fisher_cost_matrix` of every client against ``w``, yielded one by one."""
+        be, m = self.backend, w.shape[0]
+        left = be.asarray(np.concatenate([w * w, -2.0 * w], axis=1), self.cost_dtype)
+        for group in self._groups(m):
+            if self.stacked:
+                right, consts = self._cost[group.start * m:group.stop * m], [self._row_const[k] for k in group]
+            else:
+                exact, _, const, _ = self._client(group.start, m)
+                right, consts = be.asarray(exact, self.cost_dtype), [const]
+            product = be.to_numpy(be.matmul_t(left, right))
+            for i, const in enumerate(consts):
+                yield product[:, i * m:(i + 1) * m] + const[None, :]
+
+    def euclidean_costs(self, w: np.ndarray) -> Iterator[np.ndarray]:
+        """:func:`euclidean_cost_matrix` of every client against ``w``, yielded one by one."""
+        if not self.keep_layers:
+            raise ValueError("euclidean_costs needs the client layers (keep_layers=True)")
+        be, m = self.backend, w.shape[0]
+        row_norms = np.einsum("ic,ic->i", w, w)[:, None]
+        left = be.asarray(w, self.cost_dtype)
+        for group in self._groups(m):
+            if self.stacked:
+                layers = self._layers[group.start * m:group.stop * m]
+                right = layers if self.cost_dtype == "float64" else be.asarray(layers, self.cost_dtype)
+                norms = [self._col_norms[k] for k in group]
+            else:
+                _, x, _, norm = self._client(group.start, m)
+                right, norms = be.asarray(x, self.cost_dtype), [norm]
+            product = be.to_numpy(be.matmul_t(left, right))
+            for i, norm in enumerate(norms):
+                yield row_norms - 2.0 * product[:, i * m:(i + 1) * m] + norm[None, :]
+
+    def moments(self, perms: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``sum_k f_k[p_k] * w_k[p_k]`` and ``sum_k f_k[p_k]`` of the aligned clients (float64)."""
+        be = self.backend
+        total = None
+        m = len(perms[0])
+        for k, p in enumerate(perms):
+            rows = be.take_rows(self._client(k, m)[0], p)
+            total = rows if total is None else total + rows
+        out = be.to_numpy(total)
+        d = out.shape[1] // 2
+        return out[:, d:], out[:, :d]
+
+    def average(self, perms: Sequence[np.ndarray], client_weights: Sequence[float] | None) -> np.ndarray:
+        """Scalar-weighted average of the aligned client layers (uniform when no weights)."""
+        if not self.keep_layers:
+            raise ValueError("average needs the client layers (keep_layers=True)")
+        be = self.backend
+        cw = np.ones(len(perms)) if client_weights is None else np.asarray(client_weights, dtype=np.float64)
+        cw = cw / cw.sum()
+        out, m = None, len(perms[0])
+        for k, p in enumerate(perms):
+            term = be.take_rows(self._client(k, m)[1], p) * float(cw[k])
+            out = term if out is None else out + term
+        return be.to_numpy(out)
+

@@ -17,14 +17,15 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from .costs import aggregate, assign, euclidean_cost_matrices, fisher_cost_matrices
+from .backend import get_backend
+from .costs import ClientLayers, assign
+from .prepared import FISHER_SCALINGS, PreparedClients, as_prepared, fisher_scale_factors, scaled_fisher
 from .spec import PermutationSpec, permute_tensor
-from .validate import check_models, check_num_examples, check_options, check_reference_model
-
-FISHER_SCALINGS = ("none", "size", "normalized", "normalized-size")
+from .validate import check_options, check_reference_model
 
 Model = Mapping[str, np.ndarray]
 
@@ -135,26 +136,8 @@ def scale_fishers(
     >>> scale_fishers([{"w": np.array([2.])}, {"w": np.array([2.])}], "size", [1, 3])[1]["w"].tolist()
     [1.5]
     """
-    if scaling not in FISHER_SCALINGS:
-        raise ValueError(f"fisher_scaling must be one of {FISHER_SCALINGS}, got {scaling!r}")
-    if scaling == "none":
-        return [{n: np.asarray(f, dtype=np.float64) for n, f in fk.items()} for fk in fishers]
-    if "size" in scaling and num_examples is None:
-        raise ValueError(f"fisher_scaling={scaling!r} needs num_examples")
-    factors = np.ones(len(fishers))
-    if "size" in scaling:
-        n = np.asarray(num_examples, dtype=np.float64)
-        factors = n / n.sum() * (len(fishers) if scaling == "normalized-size" else 1.0)
-    out = []
-    for k, fk in enumerate(fishers):
-        factor = factors[k]
-        if scaling.startswith("normalized"):
-            total = sum(float(np.sum(f)) for f in fk.values())
-            count = sum(int(np.size(f)) for f in fk.values())
-            mean = total / count if count else 0.0
-            factor = factor / mean if mean > 0 else factor
-        out.append({n: np.asarray(f, dtype=np.float64) * factor for n, f in fk.items()})
-    return out
+    factors = fisher_scale_factors(fishers, scaling, num_examples)
+    return [{n: scaled_fisher(f, factor) for n, f in fk.items()} for fk, factor in zip(fishers, factors)]
 
 
 def resolve_reference(reference: object, num_examples: Sequence[int] | None, n_clients: int) -> int | None:
@@ -176,42 +159,61 @@ def _layer_matrix(tensors: Sequence[np.ndarray], m: int) -> np.ndarray:
     return np.concatenate([t.reshape(m, -1) for t in tensors], axis=1)
 
 
-def _scalar_average(aggregation: str, layers: Sequence[np.ndarray], sizes: Sequence[float] | None) -> np.ndarray:
-    """Uniform or size-weighted average (the rules without a Fisher)."""
-    return aggregate(layers, None, sizes if aggregation == "size" else None)
+def _as_float64(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _layer_loader(
+    models: Sequence[Model],
+    fishers: Sequence[Model],
+    perms: Sequence[Mapping[str, np.ndarray]],
+    spec: PermutationSpec,
+    names: Sequence[str],
+    m: int,
+) -> Any:
+    """``k -> (w_k, f_k)``: one permutation's ``(m, d)`` client layer and damped Fisher, with
+    the incoming axes already aligned by the permutations decided before."""
+
+    def load(k: int) -> tuple[np.ndarray, np.ndarray]:
+        layer = _layer_matrix([_as_float64(permute_tensor(models[k][n], spec.axes[n], perms[k], (0,))) for n in names], m)
+        fisher = _layer_matrix([permute_tensor(fishers[k][n], spec.axes[n], perms[k], (0,)) for n in names], m)
+        return layer, fisher
+
+    return load
+
+
+def _stack_bytes(m: int, d: int, n_clients: int, matching: str, aggregation: str, cost_dtype: str) -> int:
+    """Bytes that :class:`ClientLayers` keeps when it stacks every client."""
+    per_client = 2 * m * d * 8 + (m * d * 8 if matching == "euclidean" or aggregation != "fisher" else 0)
+    if cost_dtype == "float32":
+        per_client += 2 * m * d * 4
+    return n_clients * per_client
 
 
 def _align_permutation(
-    perm: str,
-    spec: PermutationSpec,
     size: int,
-    models: Sequence[Model],
-    fishers: Sequence[Model],
-    perms: Sequence[dict[str, np.ndarray]],
+    clients: ClientLayers,
     ref_layer: np.ndarray,
     *,
     matching: str,
     aggregation: str,
     sizes: Sequence[float] | None,
     max_iters: int,
+    lap_solver: str,
 ) -> tuple[list[np.ndarray], PermutationReport]:
-    """Alternating minimisation for one permutation; returns per-client alignments and a report."""
-    names = [n for n in spec.neuron_tensors(perm) if n in fishers[0]]
-    layers = [_layer_matrix([permute_tensor(mk[n], spec.axes[n], pk, (0,)) for n in names], size)
-              for mk, pk in zip(models, perms)]
-    damped = [_layer_matrix([permute_tensor(fk[n], spec.axes[n], pk, (0,)) for n in names], size)
-              for fk, pk in zip(fishers, perms)]
+    """Alternating minimisation for one permutation (Algorithm 1's inner loop): for each
+    iteration, build every client's cost matrix against ``w``, assign exactly, aggregate."""
     identity = np.arange(size)
     rows = np.arange(size)
     w = ref_layer
     report = PermutationReport(size, 0, float("nan"))
-    current = [identity] * len(models)
+    current = [identity] * clients.n_clients
     for s in range(1, max_iters + 1):
         report.iterations = s
         if matching == "fisher":
             new, chosen, diagonal = [], 0.0, 0.0
-            for cost in fisher_cost_matrices(w, layers, damped):
-                new.append(assign(cost))
+            for cost in clients.fisher_costs(w):
+                new.append(assign(cost, lap_solver))
                 # J(w, pi) is the sum of the chosen Fisher costs: no second pass over the weights.
                 chosen += float(cost[rows, new[-1]].sum())
                 diagonal += float(np.trace(cost))
@@ -219,8 +221,8 @@ def _align_permutation(
                 report.initial_objective = diagonal
         else:
             if s == 1:
-                report.initial_objective = _objective_from_moments(w, *_moments(layers, damped))
-            new = [assign(cost) for cost in euclidean_cost_matrices(w, layers)]
+                report.initial_objective = _objective_from_moments(w, *clients.moments(current), clients.const)
+            new = [assign(cost, lap_solver) for cost in clients.euclidean_costs(w)]
         unchanged = s > 1 and all(np.array_equal(a, b) for a, b in zip(new, current))
         if matching != "fisher" and unchanged:
             chosen = report.objectives[-1]
@@ -229,30 +231,15 @@ def _align_permutation(
             report.objectives.append(chosen)
             break
         current = new
-        aligned_layers = [x[p] for x, p in zip(layers, new)]
-        aligned_fishers = [f[p] for f, p in zip(damped, new)]
-        num, den, const = _moments(aligned_layers, aligned_fishers)
+        num, den = clients.moments(new)
         if matching != "fisher":
-            report.alignment_objectives.append(_objective_from_moments(w, num, den, const))
+            report.alignment_objectives.append(_objective_from_moments(w, num, den, clients.const))
         else:
             report.alignment_objectives.append(chosen)
-        w = num / den if aggregation == "fisher" else _scalar_average(aggregation, aligned_layers, sizes)
-        report.objectives.append(_objective_from_moments(w, num, den, const))
+        w = num / den if aggregation == "fisher" else clients.average(new, sizes if aggregation == "size" else None)
+        report.objectives.append(_objective_from_moments(w, num, den, clients.const))
     report.fraction_permuted = [float(np.mean(p != identity)) for p in current]
     return current, report
-
-
-def _moments(xs: Sequence[np.ndarray], fs: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, float]:
-    """``sum_k f_k x_k``, ``sum_k f_k`` and the alignment-invariant constant ``sum_k sum f_k x_k**2``."""
-    num = np.zeros_like(xs[0])
-    den = np.zeros_like(xs[0])
-    const = 0.0
-    for x, f in zip(xs, fs):
-        fx = f * x
-        num += fx
-        den += f
-        const += float(np.vdot(fx, x))
-    return num, den, const
 
 
 def _objective_from_moments(value: np.ndarray, num: np.ndarray, den: np.ndarray, const: float) -> float:
@@ -269,19 +256,38 @@ def _merge_all(
     sizes: Sequence[float] | None,
     dtypes: Mapping[str, np.dtype],
 ) -> tuple[dict[str, np.ndarray], float]:
-    """Aggregate every tensor of the permuted clients; return the model and its full objective J."""
+    """Aggregate every tensor of the permuted clients; return the model and its full objective J.
+
+    Clients are streamed one tensor at a time: the same sums as :func:`_moments` and
+    :func:`~fedfiot_flwr.merge.costs.aggregate`, without holding K copies.
+    """
     merged: dict[str, np.ndarray] = {}
     objective = 0.0
+    scalar = np.ones(len(models)) if sizes is None else np.asarray(sizes, dtype=np.float64)
+    scalar = scalar / scalar.sum()
+    uniform = np.full(len(models), 1.0 / len(models))
     for name in models[0]:
         axes = spec.axes.get(name, (None,) * np.ndim(models[0][name]))
-        xs = [permute_tensor(mk[name], axes, pk) for mk, pk in zip(models, perms)]
-        if name in fishers[0]:
-            fs = [permute_tensor(fk[name], axes, pk) for fk, pk in zip(fishers, perms)]
-            num, den, const = _moments(xs, fs)
-            value = num / den if aggregation == "fisher" else _scalar_average(aggregation, xs, sizes)
+        has_fisher = name in fishers[0]
+        weights = uniform if has_fisher and aggregation == "uniform" else scalar
+        num = den = average = None
+        const = 0.0
+        for k, (mk, pk) in enumerate(zip(models, perms)):
+            x = np.asarray(permute_tensor(mk[name], axes, pk), dtype=np.float64)
+            if has_fisher:
+                f = permute_tensor(fishers[k][name], axes, pk)
+                fx = f * x
+                num = fx if num is None else num + fx
+                den = f if den is None else den + f
+                const += float(np.vdot(fx, x))
+            if not has_fisher or aggregation != "fisher":
+                term = weights[k] * x
+                average = term if average is None else average + term
+        if has_fisher:
+            value = num / den if aggregation == "fisher" else average
             objective += _objective_from_moments(value, num, den, const)
         else:
-            value = _scalar_average("size", xs, sizes)  # buffers: by size (uniform when unknown)
+            value = average  # buffers: by size (uniform when unknown)
         if np.issubdtype(dtypes[name], np.integer):
             value = np.rint(value)
         merged[name] = value.astype(dtypes[name] if np.issubdtype(dtypes[name], np.number) else np.float64)
@@ -289,8 +295,8 @@ def _merge_all(
 
 
 def merge(
-    models: Sequence[Model],
-    fishers: Sequence[Model],
+    models: Sequence[Model] | PreparedClients,
+    fishers: Sequence[Model] | None,
     spec: PermutationSpec,
     lam: float = 1e-4,
     rho: float = 0.5,
@@ -303,14 +309,24 @@ def merge(
     fallback: str = "objective",
     client_ids: Sequence[str] | None = None,
     fisher_scaling: str = "none",
+    *,
+    cost_dtype: str = "float64",
+    backend: str = "numpy",
+    device: str | None = "auto",
+    lap_solver: str = "scipy",
+    stack_bytes: int = 2**31,
 ) -> MergeResult:
     """Merge client models with FedFiOT's alternating Fisher-weighted alignment and aggregation.
 
     Parameters
     ----------
-    models : sequence of dict[str, np.ndarray]
-        Client models (same keys and shapes).
-    fishers : sequence of dict[str, np.ndarray]
+    models : sequence of dict[str, np.ndarray], or PreparedClients
+        Client models (same keys and shapes), or uploads checked once by
+        :func:`~fedfiot_flwr.merge.prepare_clients` (then ``fishers=None``; ``buffers``,
+        ``num_examples`` and ``client_ids`` come from it). A sweep over candidates should
+        prepare once: validation, tempering per ``(fisher_scaling, rho)`` and identity merges
+        are then shared.
+    fishers : sequence of dict[str, np.ndarray], or None
         Raw (undamped, untempered) diagonal Fisher per client, same keys and shapes as the
         models except the tensors named in ``buffers``.
     spec : PermutationSpec
@@ -340,6 +356,18 @@ def merge(
     fisher_scaling : {"none", "size", "normalized", "normalized-size"}
         Per-client rescaling of the raw Fisher before tempering (see :func:`scale_fishers`);
         ``"none"`` is the paper's eq. 106.
+    cost_dtype : {"float64", "float32"}
+        Precision of the cost-matrix GEMMs (about 2x faster in float32; assignments can differ
+        only between near-equal costs). Aggregation and objectives are always float64.
+    backend : {"numpy", "torch"}
+        Where cost GEMMs and aggregation gathers run; ``"torch"`` uses ``device``.
+    device : str, optional
+        torch device for ``backend="torch"``; ``"auto"``: CUDA when available, else the CPU.
+    lap_solver : {"scipy", "lapjv", "auto"}
+        Exact assignment solver (see :func:`fedfiot_flwr.merge.lap.assign`).
+    stack_bytes : int
+        Memory budget of one permutation's stacked client data; above it, clients are streamed
+        (reloaded from the uploads on each use: less memory, more time).
 
     Returns
     -------
@@ -364,52 +392,67 @@ def merge(
     """
     start = time.perf_counter()
     check_options(lam, rho, max_iters, matching, aggregation, fallback)
-    ids = [str(i) for i in range(len(models))] if client_ids is None else [str(c) for c in client_ids]
-    shapes = check_models(models, fishers, buffers, ids)
-    check_num_examples(num_examples, len(models), ids)
+    clients = as_prepared(models, fishers, buffers=buffers, num_examples=num_examples, client_ids=client_ids)
+    if isinstance(models, PreparedClients) and num_examples is not None and list(num_examples) != clients.num_examples:
+        raise ValueError("num_examples differs from the one given to prepare_clients")
+    num_examples = clients.num_examples
     if aggregation == "size" and num_examples is None:
         raise ValueError("aggregation='size' needs num_examples")
-    sizes_per_perm = spec.sizes(shapes)
-    ref_index = resolve_reference(reference, num_examples, len(models))
+    sizes_per_perm = spec.sizes(clients.shapes)
+    n_clients = len(clients)
+    ref_index = resolve_reference(reference, num_examples, n_clients)
     if ref_index is None:
-        check_reference_model(reference, shapes)  # type: ignore[arg-type]
+        check_reference_model(reference, clients.shapes)  # type: ignore[arg-type]
+    array_backend = get_backend(backend, device)
 
-    dtypes = {n: np.asarray(x).dtype for n, x in models[0].items()}
-    xs = [{n: np.asarray(x, dtype=np.float64) for n, x in m.items()} for m in models]
-    fs = [{n: damp_fisher(f, lam, rho) for n, f in fk.items()}
-          for fk in scale_fishers(fishers, fisher_scaling, num_examples)]
+    xs = clients.models
+    fs = clients.damped(fisher_scaling, rho, lam)
     sizes = None if num_examples is None else [float(n) for n in num_examples]
-    perms: list[dict[str, np.ndarray]] = [{} for _ in models]
+    perms: list[dict[str, np.ndarray]] = [{} for _ in range(n_clients)]
     reports: dict[str, PermutationReport] = {}
     for perm in spec.perm_names:
         if matching == "none":  # no alignment: identity everywhere, nothing to iterate
             reports[perm] = PermutationReport(sizes_per_perm[perm], 0, float("nan"),
-                                              fraction_permuted=[0.0] * len(models))
+                                              fraction_permuted=[0.0] * n_clients)
             continue
         names = [n for n in spec.neuron_tensors(perm) if n in fs[0]]
         m = sizes_per_perm[perm]
         if ref_index is None:
             ref_layer = _layer_matrix([np.asarray(reference[n], dtype=np.float64) for n in names], m)  # type: ignore[index]
         else:
-            ref_layer = _layer_matrix(
-                [permute_tensor(xs[ref_index][n], spec.axes[n], perms[ref_index], (0,)) for n in names], m
-            )
-        found, reports[perm] = _align_permutation(
-            perm, spec, m, xs, fs, perms, ref_layer,
-            matching=matching, aggregation=aggregation, sizes=sizes, max_iters=max_iters,
+            ref_layer = _layer_matrix([_as_float64(permute_tensor(xs[ref_index][n], spec.axes[n], perms[ref_index], (0,)))
+                                       for n in names], m)
+        layer = ClientLayers(
+            _layer_loader(xs, fs, perms, spec, names, m), n_clients,
+            keep_layers=matching == "euclidean" or aggregation != "fisher",
+            stack=_stack_bytes(m, ref_layer.shape[1], n_clients, matching, aggregation, cost_dtype) <= stack_bytes,
+            cost_dtype=cost_dtype, backend=array_backend,
         )
+        found, reports[perm] = _align_permutation(
+            m, layer, ref_layer,
+            matching=matching, aggregation=aggregation, sizes=sizes, max_iters=max_iters, lap_solver=lap_solver,
+        )
+        del layer
         for pk, p in zip(perms, found):
             pk[perm] = p
     if matching == "none":
-        perms = [{p: np.arange(sizes_per_perm[p]) for p in spec.perm_names} for _ in models]
+        perms = [{p: np.arange(sizes_per_perm[p]) for p in spec.perm_names} for _ in range(n_clients)]
 
-    identity_perms: list[dict[str, np.ndarray]] = [{} for _ in models]
-    identity_model, identity_objective = _merge_all(xs, fs, spec, identity_perms, aggregation, sizes, dtypes)
+    identity_key = (fisher_scaling, float(rho), float(lam), aggregation)
+    if identity_key not in clients.identity_merges:
+        identity_perms: list[dict[str, np.ndarray]] = [{} for _ in range(n_clients)]
+        clients.identity_merges[identity_key] = _merge_all(xs, fs, spec, identity_perms, aggregation, sizes, clients.dtypes)
+    identity_model, identity_objective = clients.identity_merges[identity_key]
+    identity_model = dict(identity_model)
     if matching == "none":
         aligned_model, aligned_objective = identity_model, identity_objective
         aligned = False
+    elif all(np.array_equal(pk[p], np.arange(len(pk[p]))) for pk in perms for p in pk):
+        # Alignment kept every neuron in place: the aligned merge is the identity merge.
+        aligned_model, aligned_objective = dict(identity_model), identity_objective
+        aligned = True
     else:
-        aligned_model, aligned_objective = _merge_all(xs, fs, spec, perms, aggregation, sizes, dtypes)
+        aligned_model, aligned_objective = _merge_all(xs, fs, spec, perms, aggregation, sizes, clients.dtypes)
         aligned = fallback == "none" or not aligned_objective > identity_objective
     total = sum(sizes_per_perm[p] for p in spec.perm_names)
     moved = [sum(int(np.sum(pk[p] != np.arange(len(pk[p])))) for p in spec.perm_names) for pk in perms]
