@@ -9,6 +9,7 @@ the same uploads. Framework-neutral: no Flower import.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge
+from .merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge, prepare_clients
 from .merge.robust import DEFAULT_FISHER_CAP, cap_fishers
 from .strategy_utils import CollectedUploads
 
@@ -192,6 +193,38 @@ def _score(metrics: Mapping[str, float] | None, metric: str) -> float:
     return float(metrics[metric])
 
 
+def model_digest(model: Mapping[str, np.ndarray]) -> str:
+    """Hash of a model's tensor names, dtypes, shapes and bytes (equal models, equal digests).
+
+    >>> model_digest({"w": np.zeros(2)}) == model_digest({"w": np.zeros(2)})
+    True
+    >>> model_digest({"w": np.zeros(2)}) == model_digest({"w": np.ones(2)})
+    False
+    """
+    h = hashlib.blake2b(digest_size=20)
+    for name in sorted(model):
+        x = np.ascontiguousarray(model[name])
+        h.update(f"{name}|{x.dtype.str}|{x.shape}|".encode())
+        h.update(x.view(np.uint8).reshape(-1) if x.size else b"")
+    return h.hexdigest()
+
+
+class _CachedValidation:
+    """Validates each distinct model once (models are told apart by :func:`model_digest`)."""
+
+    def __init__(self, validate: ValidateFn) -> None:
+        self.validate = validate
+        self.cache: dict[str, dict[str, float]] = {}
+        self.calls = 0
+
+    def __call__(self, model: Model) -> dict[str, float]:
+        key = model_digest(model)
+        if key not in self.cache:
+            self.calls += 1
+            self.cache[key] = dict(self.validate(model) or {})
+        return dict(self.cache[key])
+
+
 def merge_round(
     uploads: CollectedUploads,
     spec: PermutationSpec,
@@ -210,6 +243,9 @@ def merge_round(
     baseline: bool = True,
     fedavg_candidate: bool = False,
     fisher_cap: float | None = None,
+    cost_dtype: str = "float64",
+    backend: str = "numpy",
+    lap_solver: str = "scipy",
 ) -> MergeOutcome:
     """Merge one round's valid uploads, selecting on validation data when possible.
 
@@ -248,6 +284,13 @@ def merge_round(
         Robust weighting: cap every client's Fisher at this factor times the clients' median
         (:func:`fedfiot_flwr.merge.robust.cap_fishers`) before the merge tempers it. ``None``:
         the Fishers as uploaded (the paper).
+    cost_dtype, backend, lap_solver
+        Speed options of :func:`fedfiot_flwr.merge.merge` (float32 cost GEMMs, the torch
+        backend on CUDA when available, the optional LAPJV solver).
+
+    Every candidate merges the same uploads, so the sweep shares its work: the uploads are
+    checked once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
+    computed once for all references, and each distinct model is validated once.
 
     Returns
     -------
@@ -267,6 +310,10 @@ def merge_round(
         candidates = [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
 
     fishers = uploads.fishers if fisher_cap is None else cap_fishers(uploads.fishers, fisher_cap)
+    clients = prepare_clients(uploads.weights, fishers, buffers=buffers,
+                              num_examples=uploads.num_examples, client_ids=uploads.client_ids)
+    speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver}
+    validated = _CachedValidation(validate) if validate is not None else None
     best: tuple[float, Candidate, str, MergeResult, Model, dict[str, float] | None] | None = None
     trials: list[dict[str, Any]] = []
     for cand in candidates:
@@ -276,26 +323,24 @@ def merge_round(
                 raise ValueError("reference='broadcast' needs the broadcast model")
             reference = broadcast
         res = merge(
-            uploads.weights,
-            fishers,
+            clients,
+            None,
             spec,
             lam=cand.lam,
             rho=cand.rho,
             max_iters=max_iters,
             reference=reference,
-            num_examples=uploads.num_examples,
             matching=matching,
             aggregation=aggregation,
-            buffers=buffers,
             fallback="none" if fallback == "validation" else fallback,
-            client_ids=uploads.client_ids,
             fisher_scaling=cand.fisher_scaling,
+            **speed,
         )
         variants: list[tuple[str, Model]] = [("aligned" if res.aligned else "identity", res.model)]
         if fallback == "validation" and res.aligned and matching != "none":
             variants.append(("identity", res.identity_model))
         for variant, model in variants:
-            val = dict(validate(model) or {}) if validate is not None else None
+            val = validated(model) if validated is not None else None
             score = _score(val, metric)
             trials.append(
                 {
@@ -317,14 +362,14 @@ def merge_round(
     baseline_model = baseline_val = None
     if baseline or (fedavg_candidate and validate is not None):
         base = merge(
-            uploads.weights, uploads.fishers, spec, lam=default.lam, rho=default.rho, max_iters=1,
-            reference="largest", num_examples=uploads.num_examples, matching="none", aggregation="size",
-            buffers=buffers, client_ids=uploads.client_ids,
+            clients, None, spec, lam=default.lam, rho=default.rho, max_iters=1,
+            reference="largest", matching="none", aggregation="size",
         )
         baseline_model = base.model
-        baseline_val = dict(validate(baseline_model) or {}) if validate is not None else None
+        baseline_val = validated(baseline_model) if validated is not None else None
     if len(trials) > 1:
-        logger.info("FedFiOT round %s: selected %s (%s) out of %d trials", server_round, cand.label(), variant, len(trials))
+        logger.info("FedFiOT round %s: selected %s (%s) out of %d trials (%d distinct models validated)",
+                    server_round, cand.label(), variant, len(trials), validated.calls if validated is not None else 0)
     if fedavg_candidate and validate is not None and _better(_score(baseline_val, metric), _score(val, metric), metric):
         logger.info("FedFiOT round %s: FedAvg of the same uploads scored best on validation and is returned; "
                     "FedFiOT's own merge (%s) is reported next to it", server_round, variant)
