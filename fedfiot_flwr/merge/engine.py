@@ -25,7 +25,7 @@ from .backend import get_backend
 from .costs import ClientLayers, assign
 from .prepared import FISHER_SCALINGS, PreparedClients, as_prepared, fisher_scale_factors, scaled_fisher
 from .spec import PermutationSpec, permute_tensor
-from .validate import check_options, check_reference_model
+from .validate import check_options, check_reference_model, check_speed_options
 
 Model = Mapping[str, np.ndarray]
 
@@ -392,6 +392,7 @@ def merge(
     """
     start = time.perf_counter()
     check_options(lam, rho, max_iters, matching, aggregation, fallback)
+    check_speed_options(cost_dtype, backend, lap_solver)
     clients = as_prepared(models, fishers, buffers=buffers, num_examples=num_examples, client_ids=client_ids)
     if isinstance(models, PreparedClients) and num_examples is not None and list(num_examples) != clients.num_examples:
         raise ValueError("num_examples differs from the one given to prepare_clients")

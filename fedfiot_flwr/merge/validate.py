@@ -37,6 +37,19 @@ def check_options(
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
 
 
+def check_speed_options(cost_dtype: str, backend: str, lap_solver: str) -> None:
+    """Validate the merge's speed options (they never change what is computed, only how)."""
+    from .backend import BACKENDS, COST_DTYPES
+    from .lap import LAP_SOLVERS
+
+    if cost_dtype not in COST_DTYPES:
+        raise ValueError(f"cost_dtype must be one of {COST_DTYPES}, got {cost_dtype!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if lap_solver not in LAP_SOLVERS:
+        raise ValueError(f"lap_solver must be one of {LAP_SOLVERS}, got {lap_solver!r}")
+
+
 def check_models(
     models: Sequence[Mapping[str, np.ndarray]],
     fishers: Sequence[Mapping[str, np.ndarray]],
