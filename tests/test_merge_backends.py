@@ -101,7 +101,7 @@ def test_client_layers_costs_equal_the_definition_in_every_mode():
     perms = [rng.permutation(m) for _ in range(k)]
     for stack in (True, False):
         for max_bytes in (1, 2**26):  # one client per GEMM, all clients in one
-            layers = ClientLayers(lambda i: (xs[i], fs[i]), k, keep_layers=True, stack=stack, max_bytes=max_bytes)
+            layers = ClientLayers(lambda i: (xs[i].copy(), fs[i].copy()), k, keep_layers=True, stack=stack, max_bytes=max_bytes)
             for c, x, f in zip(layers.fisher_costs(w), xs, fs):
                 np.testing.assert_allclose(c, fisher_cost_matrix(w, x, f), rtol=1e-12, atol=1e-12)
             for c, x in zip(layers.euclidean_costs(w), xs):
@@ -111,7 +111,7 @@ def test_client_layers_costs_equal_the_definition_in_every_mode():
             np.testing.assert_allclose(den, sum(f[p] for f, p in zip(fs, perms)), rtol=1e-12)
             np.testing.assert_allclose(layers.average(perms, [1, 2, 3, 4]),
                                        sum(c * x[p] for c, x, p in zip([.1, .2, .3, .4], xs, perms)), rtol=1e-12)
-    f32 = ClientLayers(lambda i: (xs[i], fs[i]), k, cost_dtype="float32")
+    f32 = ClientLayers(lambda i: (xs[i].copy(), fs[i].copy()), k, cost_dtype="float32")
     for c, x, f in zip(f32.fisher_costs(w), xs, fs):
         np.testing.assert_allclose(c, fisher_cost_matrix(w, x, f), rtol=1e-4, atol=1e-4)
 

@@ -134,7 +134,7 @@ class ClientLayers:
     ----------
     load : callable
         ``k -> (w_k, f_k)``: client ``k``'s layer and damped Fisher, ``(m, d)`` float64, incoming
-        coordinates already in the global order.
+        coordinates already in the global order; new arrays on every call (they are reused in place).
     n_clients : int
         Number of clients ``K``.
     keep_layers : bool
@@ -194,15 +194,25 @@ class ClientLayers:
             self._cost = self._exact if cost_dtype == "float64" else be.asarray(self._exact, cost_dtype)
 
     def _client(self, k: int, m: int) -> tuple:
-        """``(exact [f, fx], w_k or None, row constants, column norms)`` of client ``k``."""
-        if self.stacked:
-            rows = slice(k * m, (k + 1) * m)
-            layer = self._layers[rows] if self.keep_layers else None
-            norms = self._col_norms[k] if self.keep_layers else None
-            return self._exact[rows], layer, self._row_const[k], norms
+        """Stacked client ``k``: ``(exact [f, fx], w_k or None, row constants, column norms)``."""
+        rows = slice(k * m, (k + 1) * m)
+        layer = self._layers[rows] if self.keep_layers else None
+        norms = self._col_norms[k] if self.keep_layers else None
+        return self._exact[rows], layer, self._row_const[k], norms
+
+    def _streamed_cost_input(self, k: int, fisher: bool) -> tuple:
+        """Streamed client ``k``: its Fisher cost-GEMM input and row constants, or (``fisher=False``)
+        ``w_k`` and its column norms."""
         x, f = self.load(k)
-        exact = self.backend.asarray(np.concatenate([f, f * x], axis=1), "float64")
-        return exact, self.backend.asarray(x, "float64"), np.einsum("jc,jc,jc->j", f, x, x), np.einsum("jc,jc->j", x, x)
+        m, d = x.shape
+        if not fisher:
+            return self.backend.asarray(x, self.cost_dtype), np.einsum("jc,jc->j", x, x)
+        const = np.einsum("jc,jc,jc->j", f, x, x)
+        right = np.empty((m, 2 * d), dtype=self.cost_dtype)
+        right[:, :d] = f
+        np.multiply(f, x, out=x)
+        right[:, d:] = x
+        return self.backend.asarray(right, self.cost_dtype), const
 
     def _groups(self, m: int) -> Iterator[range]:
         group = max(1, self.max_bytes // (8 * m * m)) if self.stacked else 1
@@ -217,8 +227,8 @@ class ClientLayers:
             if self.stacked:
                 right, consts = self._cost[group.start * m:group.stop * m], [self._row_const[k] for k in group]
             else:
-                exact, _, const, _ = self._client(group.start, m)
-                right, consts = be.asarray(exact, self.cost_dtype), [const]
+                right, const = self._streamed_cost_input(group.start, fisher=True)
+                consts = [const]
             product = be.to_numpy(be.matmul_t(left, right))
             for i, const in enumerate(consts):
                 yield product[:, i * m:(i + 1) * m] + const[None, :]
@@ -236,8 +246,8 @@ class ClientLayers:
                 right = layers if self.cost_dtype == "float64" else be.asarray(layers, self.cost_dtype)
                 norms = [self._col_norms[k] for k in group]
             else:
-                _, x, _, norm = self._client(group.start, m)
-                right, norms = be.asarray(x, self.cost_dtype), [norm]
+                right, norm = self._streamed_cost_input(group.start, fisher=False)
+                norms = [norm]
             product = be.to_numpy(be.matmul_t(left, right))
             for i, norm in enumerate(norms):
                 yield row_norms - 2.0 * product[:, i * m:(i + 1) * m] + norm[None, :]
@@ -245,8 +255,17 @@ class ClientLayers:
     def moments(self, perms: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """``sum_k f_k[p_k] * w_k[p_k]`` and ``sum_k f_k[p_k]`` of the aligned clients (float64)."""
         be = self.backend
-        total = None
         m = len(perms[0])
+        if not self.stacked:  # f[p] * x[p] == (f * x)[p]: one client at a time, no (m, 2d) copies
+            num = den = None
+            for k, p in enumerate(perms):
+                x, f = self.load(k)
+                np.multiply(f, x, out=x)
+                fx, fp = x[p], f[p]
+                num = fx if num is None else np.add(num, fx, out=num)
+                den = fp if den is None else np.add(den, fp, out=den)
+            return num, den
+        total = None
         for k, p in enumerate(perms):
             rows = be.take_rows(self._client(k, m)[0], p)
             total = rows if total is None else total + rows
@@ -263,7 +282,8 @@ class ClientLayers:
         cw = cw / cw.sum()
         out, m = None, len(perms[0])
         for k, p in enumerate(perms):
-            term = be.take_rows(self._client(k, m)[1], p) * float(cw[k])
+            layer = self._client(k, m)[1] if self.stacked else self.backend.asarray(self.load(k)[0], "float64")
+            term = be.take_rows(layer, p) * float(cw[k])
             out = term if out is None else out + term
         return be.to_numpy(out)
 

@@ -134,8 +134,13 @@ class _Tempered(Mapping):
     def __init__(self, fisher: Model, factor: float | None, rho: float) -> None:
         self.fisher, self.factor, self.rho = fisher, factor, rho
 
+    fresh = True  # every read returns a new array (the caller may update it in place)
+
     def __getitem__(self, name: str) -> np.ndarray:
-        return np.power(scaled_fisher(self.fisher[name], self.factor), self.rho)
+        f = np.array(self.fisher[name], dtype=np.float64)  # a copy: updated in place below
+        if self.factor is not None:
+            f *= self.factor
+        return np.power(f, self.rho, out=f)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.fisher)
@@ -154,6 +159,10 @@ class _Damped(Mapping):
         self.tempered, self.lam = tempered, lam
 
     def __getitem__(self, name: str) -> np.ndarray:
+        if getattr(self.tempered, "fresh", False):
+            f = self.tempered[name]
+            f += self.lam
+            return f
         return self.tempered[name] + self.lam
 
     def __iter__(self) -> Iterator[str]:
