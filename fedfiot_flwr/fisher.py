@@ -23,7 +23,8 @@ How it is computed (``method``):
   exactly, because in eval mode example ``n``'s logits depend on example ``n`` only. Then,
   as in BackPACK's ``SumGradSquared`` and Opacus' grad samplers, ``sum_n g_n**2`` is
   ``(G*G)^T (A*A)`` (one GEMM) for a Linear layer on 2-D inputs and
-  ``sum_n (G_n U_n^T)**2`` with ``U = unfold(A)`` for a convolution. Parameters of any other
+  ``sum_n (G_n U_n^T)**2`` with ``U = unfold(A)`` for a convolution (for narrow convolutions,
+  the per-example gradients ``G_n U_n^T`` come from one grouped convolution instead). Parameters of any other
   module (or of a layer called more than once per forward, or shared between modules) fall
   back to ``torch.func``: ``vmap`` over examples of a ``vjp`` of ``functional_call``. So does
   a layer whose forward does not run exactly once per batch (e.g. ``MultiheadAttention``'s
@@ -63,6 +64,11 @@ FISHER_METHODS = ("auto", "vmap", "loop")
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 # Largest per-chunk tensor of materialised per-example gradients, in elements.
 _CHUNK_ELEMENTS = 1 << 24
+# Convolutions with at most this many weights per output channel (in * kh * kw) get their
+# per-example gradients from one grouped convolution (no im2col copy); wider ones from im2col
+# and a batched GEMM. Measured on CPU: the grouped convolution is ~2x faster for a first layer
+# (in = 1, 5x5), im2col ~1.2x faster for in = 32, 5x5.
+_GROUPED_CONV_MAX_FAN_IN = 64
 
 
 # --------------------------------------------------------------------------- output vectors
@@ -178,13 +184,35 @@ def _patches(module: nn.Conv2d, a: torch.Tensor, padding: tuple[int, int]) -> to
     return v.permute(0, 2, 3, 1, 4, 5).reshape(b, v.shape[2] * v.shape[3], -1)
 
 
+def _grouped_conv_grads(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
+    """Per-example weight gradients ``(B, out, in, kh, kw)`` as one grouped convolution.
+
+    Example ``n``'s gradient correlates its input with its output gradient; with the batch as
+    the channel axis and ``groups=B`` every example is its own group (the convolution's stride
+    becomes the dilation of this one and vice versa; rows beyond the kernel are cropped).
+    """
+    b, cin = a.shape[:2]
+    cout = g.shape[1]
+    kh, kw = module.kernel_size
+    if padding != (0, 0):
+        a = F.pad(a, (padding[1], padding[1], padding[0], padding[0]))
+    out = F.conv2d(a.transpose(0, 1), g.reshape(b * cout, 1, *g.shape[2:]), stride=module.dilation,
+                   dilation=module.stride, groups=b)  # (in, B*out, >= kh, >= kw)
+    out = out[:, :, :kh, :kw]
+    return out.reshape(cin, b, cout, kh, kw).permute(1, 2, 0, 3, 4)
+
+
 def _conv2d_sq(module: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
     b = a.shape[0]
     padding = _conv2d_padding(module)
     g3 = g.reshape(b, g.shape[1], -1)  # (B, out, L)
     w = torch.zeros(module.weight.shape[0], module.weight[0].numel(), dtype=g.dtype, device=g.device)
+    grouped = module.weight[0].numel() <= _GROUPED_CONV_MAX_FAN_IN
     for s in _chunks(b, module.weight.numel()):
-        w += torch.bmm(g3[s], _patches(module, a[s], padding)).square_().sum(0)
+        if grouped:
+            w += _grouped_conv_grads(module, a[s], g[s], padding).square().sum(0).reshape(w.shape)
+        else:
+            w += torch.bmm(g3[s], _patches(module, a[s], padding)).square_().sum(0)
     out = {"weight": w.view_as(module.weight)}
     if module.bias is not None:
         out["bias"] = g3.sum(2).square().sum(0)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fedfiot_flwr.fisher as fisher_module
 from fedfiot_flwr.fisher import diagonal_fisher, supported_modules
 from fedfiot_flwr.models import build_model
 
@@ -234,3 +235,22 @@ def test_cuda_matches_cpu() -> None:
     assert next(model.parameters()).device.type == "cpu"
     for n in cpu:
         torch.testing.assert_close(gpu[n], cpu[n], rtol=1e-3, atol=1e-9)
+
+
+@pytest.mark.parametrize("max_fan_in", [0, 10_000])
+def test_both_conv_paths_match_the_per_example_loop(monkeypatch: pytest.MonkeyPatch, max_fan_in: int) -> None:
+    """im2col + batched GEMM (threshold 0) and the grouped convolution (every conv) agree with
+    the naive loop on strided, padded and dilated convolutions."""
+    monkeypatch.setattr(fisher_module, "_GROUPED_CONV_MAX_FAN_IN", max_fan_in)
+    torch.manual_seed(7)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(4, 5, 3, dilation=2, padding=2, bias=False),
+        nn.ReLU(), nn.Conv2d(5, 3, (2, 3), stride=(2, 1)), nn.Flatten(), nn.LazyLinear(4),
+    ).double()
+    x = torch.randn(6, 3, 11, 9, dtype=torch.float64)
+    model(x)  # materialise the lazy layer
+    y = torch.randint(0, 4, (6,))
+    fast = diagonal_fisher(model, [(x, y)], method="auto")
+    loop = diagonal_fisher(model, [(x, y)], method="loop")
+    for name in loop:
+        torch.testing.assert_close(fast[name], loop[name], rtol=1e-10, atol=1e-12)
