@@ -74,7 +74,17 @@ def peak_extra(fn: Any) -> int:
         tracemalloc.stop()
 
 
-def clients_section(ks: list[int], baseline_max_k: int, base_merge: Any) -> list[str]:
+def best_of(repeats: int, fns: dict[str, Any]) -> dict[str, tuple[float, Any]]:
+    """Minimum time of each function over ``repeats`` interleaved rounds (and its last result)."""
+    out: dict[str, tuple[float, Any]] = {}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t, res = timed(fn)
+            out[name] = (min(t, out[name][0]) if name in out else t, res)
+    return out
+
+
+def clients_section(ks: list[int], baseline_max_k: int, base_merge: Any, repeats: int) -> list[str]:
     spec = cnn_spec(["conv1", "conv2"], ["fc1", "fc2", "fc3"], flatten_block=25)
     rows = []
     for k in ks:
@@ -82,9 +92,13 @@ def clients_section(ks: list[int], baseline_max_k: int, base_merge: Any) -> list
         up = upload_bytes(models, fishers)
         opts = {"max_iters": 8, "reference": 0}
         run_base = k <= baseline_max_k
-        t_old = timed(lambda: base_merge(models, fishers, spec, **opts))[0] if run_base else float("nan")
-        t_new, res = timed(lambda: merge(models, fishers, spec, **opts))
-        t_f32, res32 = timed(lambda: merge(models, fishers, spec, cost_dtype="float32", **opts))
+        fns = {"new": lambda: merge(models, fishers, spec, **opts),
+               "f32": lambda: merge(models, fishers, spec, cost_dtype="float32", **opts)}
+        if run_base:
+            fns["old"] = lambda: base_merge(models, fishers, spec, **opts)
+        runs = best_of(repeats, fns)
+        (t_new, res), (t_f32, res32) = runs["new"], runs["f32"]
+        t_old = runs["old"][0] if run_base else float("nan")
         m_old = peak_extra(lambda: base_merge(models, fishers, spec, **opts)) if run_base else float("nan")
         m_new = peak_extra(lambda: merge(models, fishers, spec, **opts))
         same = all(np.array_equal(res.model[n], res32.model[n]) for n in res.model)
@@ -97,7 +111,8 @@ def clients_section(ks: list[int], baseline_max_k: int, base_merge: Any) -> list
         "## Many clients: the paper's CNN (940k parameters), float32 uploads around a shared model, S = 8",
         "",
         "Peak extra memory: tracemalloc peak during the merge / bytes of the uploads (weights + Fishers). "
-        "'per client' columns: seconds / K, relative to the first row (1.0 = linear in K).",
+        "'per client' columns: seconds / K, relative to the first row (1.0 = linear in K). "
+        "Times: minimum of interleaved repeats.",
         "",
         "| K | uploads (MB) | before (s) | after (s) | after, float32 costs (s) | speed-up | after per client vs K=%d "
         "| before: peak extra / uploads | after: peak extra / uploads | float32 = float64 model | iterations |" % k0["K"],
@@ -199,6 +214,7 @@ def main() -> None:
     parser.add_argument("--clients", action="store_true")
     parser.add_argument("--ks", nargs="+", type=int, default=[6, 20, 50, 100])
     parser.add_argument("--baseline-max-k", type=int, default=50, help="run the baseline only up to this K")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per variant (the minimum is kept)")
     parser.add_argument("--wide", action="store_true")
     parser.add_argument("--wide-baseline", action="store_true", help="also time the baseline on the wide layer")
     parser.add_argument("--wide-m", type=int, default=4096)
@@ -218,7 +234,7 @@ def main() -> None:
             if current is not None:
                 sections[current].append(line)
     started = time.perf_counter()
-    for flag, make in (("clients", lambda: clients_section(args.ks, args.baseline_max_k, base_merge)),
+    for flag, make in (("clients", lambda: clients_section(args.ks, args.baseline_max_k, base_merge, args.repeats)),
                        ("wide", lambda: wide_section(args.wide_m, 1024, 6, base_merge, args.wide_baseline)),
                        ("vgg", lambda: vgg_section(6, args.vgg_iters))):
         if getattr(args, flag):
