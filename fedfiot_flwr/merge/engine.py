@@ -393,7 +393,10 @@ def merge(
     start = time.perf_counter()
     check_options(lam, rho, max_iters, matching, aggregation, fallback)
     check_speed_options(cost_dtype, backend, lap_solver)
-    clients = as_prepared(models, fishers, buffers=buffers, num_examples=num_examples, client_ids=client_ids)
+    # A one-off merge tempers each tensor when it reads it (no cache: peak memory stays near the
+    # per-layer stack); a sweep prepares once and caches the tempered Fishers.
+    clients = as_prepared(models, fishers, buffers=buffers, num_examples=num_examples, client_ids=client_ids,
+                          cache_bytes=0)
     if isinstance(models, PreparedClients) and num_examples is not None and list(num_examples) != clients.num_examples:
         raise ValueError("num_examples differs from the one given to prepare_clients")
     num_examples = clients.num_examples
