@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
+from fedfiot_flwr.merge.lap import lapjv_available  # noqa: E402
 from fedfiot_flwr.selection import merge_round  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
 
@@ -105,9 +106,11 @@ def main() -> None:
             old, t_old, c_old = run_sweep(base_round, uploads, spec, buffers, plan, ev.validate)
             new, t_new, c_new = run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate)
             f32, t_f32, c_f32 = run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate, cost_dtype="float32")
+            fast, t_fast, _ = (run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate, cost_dtype="float32",
+                                         lap_solver="lapjv") if lapjv_available() else (f32, float("nan"), None))
             rows.append({
                 "setting": f"{dataset} ({setting.model}) {init}", "params": sum(x.size for x in up.weights[0].values()),
-                "merge": t_merge, "old": t_old, "new": t_new, "f32": t_f32,
+                "merge": t_merge, "old": t_old, "new": t_new, "f32": t_f32, "fast": t_fast, "same_fast": same_choice(old, fast),
                 "trials": len(old.trials), "val_old": c_old.calls, "val_new": c_new.calls, "val_s": c_old.seconds / max(1, c_old.calls),
                 "same": same_choice(old, new), "same32": same_choice(old, f32),
                 "choice": f"{new.candidate.label()} ({new.variant})",
@@ -126,15 +129,17 @@ def main() -> None:
         "",
         "| setting | params | trials | one merge (s) | sweep before (s) | = merges | sweep after (s) | = merges "
         "| speed-up | after, float32 costs (s) | = merges | validations before / after | s per validation "
-        "| same choice (f64 / f32) | choice |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| after, float32 + LAPJV (s) | = merges | same choice (f64 / f32 / f32+LAPJV) | choice |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['setting']} | {r['params']:,} | {r['trials']} | {r['merge']:.3f} | {r['old']:.2f} | "
             f"{r['old'] / r['merge']:.0f} | {r['new']:.2f} | {r['new'] / r['merge']:.1f} | {r['old'] / r['new']:.1f}x | "
             f"{r['f32']:.2f} | {r['f32'] / r['merge']:.1f} | {r['val_old']} / {r['val_new']} | {r['val_s']:.3f} | "
-            f"{'yes' if r['same'] else 'NO'} / {'yes' if r['same32'] else 'NO'} | {r['choice']} |"
+            f"{r['fast']:.2f} | {r['fast'] / r['merge']:.1f} | "
+            f"{'yes' if r['same'] else 'NO'} / {'yes' if r['same32'] else 'NO'} / {'yes' if r['same_fast'] else 'NO'} | "
+            f"{r['choice']} |"
         )
     lines += ["", f"Command: `python benchmarks/sweep_cost.py {' '.join(sys.argv[1:])}`".rstrip(), ""]
     text = "\n".join(lines)
