@@ -62,7 +62,8 @@ def main() -> int:
         "",
         "```json",
         json.dumps({k2: v for k2, v in (data.get("rounds") or [{}])[-1].items()
-                    if "second" in k2 or "clients" in k2 or "bytes" in k2}, indent=1)[:3000],
+                    if isinstance(v, (int, float)) and ("second" in k2 or "clients" in k2 or "bytes" in k2
+                                                         or "valid" in k2)}, indent=1),
         "```",
         "",
         f"Command: `python benchmarks/many_supernodes.py {' '.join(sys.argv[1:])}`".rstrip(),
