@@ -59,9 +59,9 @@ def cnn_clients(k: int, noise: float = 0.1, seed: int = 0) -> tuple[list, list]:
 
 
 def timed(fn: Any) -> tuple[float, Any]:
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     out = fn()
-    return time.perf_counter() - t0, out
+    return time.process_time() - t0, out
 
 
 def peak_extra(fn: Any) -> int:
@@ -112,7 +112,7 @@ def clients_section(ks: list[int], baseline_max_k: int, base_merge: Any, repeats
         "",
         "Peak extra memory: tracemalloc peak during the merge / bytes of the uploads (weights + Fishers). "
         "'per client' columns: seconds / K, relative to the first row (1.0 = linear in K). "
-        "Times: minimum of interleaved repeats.",
+        "Times: process CPU seconds (one thread), minimum of interleaved repeats.",
         "",
         "| K | uploads (MB) | before (s) | after (s) | after, float32 costs (s) | speed-up | after per client vs K=%d "
         "| before: peak extra / uploads | after: peak extra / uploads | float32 = float64 model | iterations |" % k0["K"],
@@ -149,7 +149,9 @@ def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool) ->
     lines = [
         f"## Wide layer: m = {m}, d = {d}, K = {k} independent clients, S = 8 (one layer's alignment)",
         "",
-        "| variant | seconds | iterations | objective J / exact J - 1 | same permutations as exact |",
+        "Times: process CPU seconds, one thread.",
+        "",
+        "| variant | CPU seconds | iterations | objective J / exact J - 1 | same permutations as exact |",
         "|---|---:|---:|---:|---|",
     ]
     for label, t, res in rows:
@@ -180,10 +182,10 @@ del net, base
 params = sum(v.size for n, v in models[0].items() if n not in buffers)
 uploads = sum(x.nbytes for m in (*models, *fishers) for x in m.values())
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-t0 = time.perf_counter()
+t0 = time.process_time()
 res = merge(models, fishers, spec, reference=0, max_iters=iters, buffers=buffers, cost_dtype="float32",
             lap_solver="auto", stack_bytes=2**30)
-seconds = time.perf_counter() - t0
+seconds = time.process_time() - t0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"params": params, "uploads": uploads, "rss_before": rss0, "rss_peak": rss, "seconds": seconds,
                   "iterations": {p: r.iterations for p, r in res.reports.items()}}))
@@ -233,7 +235,7 @@ def main() -> None:
                 sections[current] = []
             if current is not None:
                 sections[current].append(line)
-    started = time.perf_counter()
+    started = time.process_time()
     for flag, make in (("clients", lambda: clients_section(args.ks, args.baseline_max_k, base_merge, args.repeats)),
                        ("wide", lambda: wide_section(args.wide_m, 1024, 6, base_merge, args.wide_baseline)),
                        ("vgg", lambda: vgg_section(6, args.vgg_iters))):
@@ -248,7 +250,7 @@ def main() -> None:
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other jobs, "
         f"numpy {np.__version__}; baseline: revision `{args.baseline_rev}` of this repository, same process. "
-        f"Last run took {time.perf_counter() - started:.0f} s.",
+        f"Last run took {time.process_time() - started:.0f} s.",
         "",
         *[line for lines in sections.values() for line in (*lines, "")],
     ])

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -51,10 +52,10 @@ class CountingValidator:
         self.validate, self.calls, self.seconds = validate, 0, 0.0
 
     def __call__(self, model: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         out = self.validate(model)
         self.calls += 1
-        self.seconds += time.perf_counter() - t0
+        self.seconds += time.process_time() - t0
         return out
 
 
@@ -62,12 +63,12 @@ def run_sweep(fn: Any, uploads: H.Uploads, spec: Any, buffers: Any, plan: H.Meth
               **speed: Any) -> tuple[Any, float, CountingValidator]:
     counter = CountingValidator(validate)
     offers_broadcast = plan.grid is not None and "broadcast" in plan.grid.references and uploads.broadcast is not None
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     out = fn(uploads.quantized, spec, plan.default, max_iters=8, matching="fisher", aggregation="fisher",
              fallback=plan.fallback, buffers=buffers, broadcast=uploads.broadcast,
              server_round=2 if offers_broadcast else 1, sweep=plan.grid, validate=counter, metric="accuracy",
              baseline=False, fedavg_candidate=plan.fedavg_candidate, **speed)
-    return out, time.perf_counter() - t0, counter
+    return out, time.process_time() - t0, counter
 
 
 def same_choice(a: Any, b: Any) -> bool:
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--baseline-rev", default=DEFAULT_BASELINE_REV)
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # process CPU time then measures the work, whatever else runs on the machine
     base = load_baseline(args.baseline_rev)
     base_round = importlib.import_module(f"{base.__name__}.selection").merge_round
     base_merge = importlib.import_module(f"{base.__name__}.merge").merge
@@ -99,10 +101,10 @@ def main() -> None:
             uploads = H.one_shot_uploads(setting, split, buffers, H.CACHE_DIR, device, print)
             plan = H.method_plans(["fedfiot-default"], init)[0]
             up = uploads.quantized
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             base_merge(up.weights, up.fishers, spec, lam=plan.default.lam, rho=plan.default.rho, max_iters=8,
                        reference="largest", num_examples=up.num_examples, buffers=buffers, client_ids=up.client_ids)
-            t_merge = time.perf_counter() - t0
+            t_merge = time.process_time() - t0
             old, t_old, c_old = run_sweep(base_round, uploads, spec, buffers, plan, ev.validate)
             new, t_new, c_new = run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate)
             f32, t_f32, c_f32 = run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate, cost_dtype="float32")
@@ -126,6 +128,7 @@ def main() -> None:
         f"{args.seed}); plan `fedfiot-default` (the default preset: rho x lam x reference x Fisher scaling, "
         "aligned / identity / FedAvg chosen on validation)",
         "- unit: one merge of the default candidate with the baseline engine (\"merges' worth\")",
+        "- times: process CPU seconds, one thread (numpy and torch): robust to the other jobs on the machine",
         "",
         "| setting | params | trials | one merge (s) | sweep before (s) | = merges | sweep after (s) | = merges "
         "| speed-up | after, float32 costs (s) | = merges | validations before / after | s per validation "
