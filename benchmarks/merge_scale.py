@@ -120,8 +120,11 @@ def clients_section(ks: list[int], baseline_max_k: int, base_merge: Any, repeats
     ]
     for r in rows:
         lin = (r["new s"] / r["K"]) / (k0["new s"] / k0["K"])
-        lines.append(f"| {r['K']} | {r['uploads MB']:.0f} | {r['old s']:.2f} | {r['new s']:.2f} | {r['f32 s']:.2f} | "
-                     f"{r['old s'] / r['new s']:.1f}x | {lin:.2f} | {r['old mem']:.1f}x | {r['new mem']:.1f}x | "
+        ran = r["old s"] == r["old s"]  # the baseline is skipped above --baseline-max-k (NaN)
+        old_s, speed, old_mem = ((f"{r['old s']:.2f}", f"{r['old s'] / r['new s']:.1f}x", f"{r['old mem']:.1f}x") if ran
+                                 else ("not run", "-", "-"))
+        lines.append(f"| {r['K']} | {r['uploads MB']:.0f} | {old_s} | {r['new s']:.2f} | {r['f32 s']:.2f} | "
+                     f"{speed} | {lin:.2f} | {old_mem} | {r['new mem']:.1f}x | "
                      f"{'yes' if r['f32 same'] else 'no'} | {r['iters']} |")
     return lines
 
