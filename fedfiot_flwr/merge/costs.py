@@ -173,10 +173,12 @@ class ClientLayers:
         be = self.backend
         for k in range(n_clients):
             x, f = load(k)
+            if not stack:  # only the constant: f * x in place, no more arrays
+                self.const += float(np.vdot(np.multiply(f, x, out=f), x))
+                del x, f
+                continue
             fx = f * x
             self.const += float(np.vdot(fx, x))
-            if not stack:
-                continue
             m, d = x.shape
             if self._exact is None:
                 self._exact = be.empty((n_clients * m, 2 * d), "float64")
