@@ -278,11 +278,12 @@ def _merge_all(
                 f = permute_tensor(fishers[k][name], axes, pk)
                 fx = f * x
                 const += float(np.vdot(fx, x))
-                num = fx if num is None else np.add(num, fx, out=num)
-                den = f if den is None else np.add(den, f, out=den)  # f is a fresh array (damped on read)
+                # asarray: 0-d tensors give numpy scalars, which cannot be accumulated in place.
+                num = np.asarray(fx) if num is None else np.add(num, fx, out=num)
+                den = np.asarray(f) if den is None else np.add(den, f, out=den)  # f is fresh (damped on read)
             if not has_fisher or aggregation != "fisher":
                 term = weights[k] * x
-                average = term if average is None else np.add(average, term, out=average)
+                average = np.asarray(term) if average is None else np.add(average, term, out=average)
         if has_fisher:
             value = num / den if aggregation == "fisher" else average
             objective += _objective_from_moments(value, num, den, const)
