@@ -1,6 +1,6 @@
 """The FedFiOT merge: layer-wise alternating Fisher-weighted alignment and aggregation.
 
-See ``SPEC.md`` for the objective. Decisions where the paper leaves room (documented in README):
+The objective is the paper's (see README). Decisions where the paper leaves room (documented in README):
 
 * the Fisher is tempered, then damped: ``f = F**rho + lam``;
 * iteration 1 always aggregates; from iteration 2 on a permutation's loop stops when no
