@@ -1,7 +1,8 @@
 """FedFiOT ClientApp: local training, then weights and diagonal Fisher, 16-bit quantized.
 
 A standard Flower PyTorch ClientApp; the only FedFiOT-specific line is ``train_and_pack``,
-which trains, computes the empirical Fisher and packs both into the reply. With the run
+which trains with this package's trainer, computes the empirical Fisher and packs both into
+the reply (your own app keeps its own training loop and calls ``fisher_reply``). With the run
 config's ``strategy`` set to a baseline the client sends that baseline's upload instead:
 the diagonal Fisher of ``fisher-kind`` (``fedfisher-diag``), K-FAC factors
 (``fedfisher-kfac``) or input Grams (``regmean``), computed on the unaugmented examples.
@@ -17,8 +18,7 @@ from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader
 
 from fedfiot_flwr.app_config import AppConfig
-from fedfiot_flwr.baselines import pack_upload
-from fedfiot_flwr.client import train_and_pack
+from fedfiot_flwr.client import curvature_reply, train_and_pack
 from fedfiot_flwr.task import evaluate
 from fedfiot_flwr.task import train as local_train
 
@@ -99,9 +99,9 @@ def curvature_upload(
     K-FAC factors (``strategy = "fedfisher-kfac"``, Fisher kind from ``fisher-kind``) or the
     Linear layers' input Grams (``"regmean"``) over ``loader`` (the client's examples without
     augmentation), 8-bit low rank within FedAvg's upload size (``rank="fedavg"``), plus the
-    16-bit weights (:func:`fedfiot_flwr.baselines.pack_upload`).
+    16-bit weights (:func:`fedfiot_flwr.client.curvature_reply`).
     """
-    return pack_upload(cfg.strategy, model, loader, metrics=metrics, fisher_kind=cfg.client_fisher_kind(),
+    return curvature_reply(cfg.strategy, model, loader, metrics=metrics, fisher_kind=cfg.client_fisher_kind(),
                        rank="fedavg", device=device)
 
 

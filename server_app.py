@@ -2,6 +2,8 @@
 
 The ``strategy`` key swaps FedFiOT for one of the paper's one-shot baselines (FedFisher with
 K-FAC or diagonal Fishers, RegMean); everything else (data, model, validation, results) stays.
+The ServerApp owns the recording: every run writes ``results.json`` and checkpoints into a new
+directory of its own (:class:`fedfiot_flwr.server.RunRecorder`).
 
 Run with ``flwr run .`` (see the README); every knob is a ``[tool.flwr.app.config]`` key.
 """
@@ -10,24 +12,21 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from logging import INFO
-from pathlib import Path
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 from torch.utils.data import DataLoader
 
-from fedfiot_flwr import FedFiOT
 from fedfiot_flwr.app_config import AppConfig
-from fedfiot_flwr.baselines import FedFisherStrategy, RegMeanStrategy
 from fedfiot_flwr.models import permutation_spec
-from fedfiot_flwr.results import ResultsFile
+from fedfiot_flwr.server import FedFiOT, FedFiOTConfig, FedFisherStrategy, MergeStrategy, RegMeanStrategy, RunRecorder
+from fedfiot_flwr.server.selection import SweepGrid
 from fedfiot_flwr.task import evaluate
+from fedfiot_flwr.validation import ValidateFn, make_validate_fn
 
 app = ServerApp()
 
@@ -103,7 +102,7 @@ def _resolve_federation(grid: Grid, cfg: AppConfig) -> AppConfig:
             f'flwr run . --federation-config "num-supernodes={cfg.num_partitions}"), or set '
             "num-partitions=0 to use every SuperNode that connects"
         )
-    ResultsFile(cfg.run_dir().resolve() / "results.json", {"app": cfg.as_dict()}).finish(error=msg)
+    RunRecorder.create(cfg.results_dir, cfg.default_run_name(), {"app": cfg.as_dict()}).finish(error=msg)
     raise RuntimeError(msg)
 
 
@@ -111,48 +110,46 @@ STRATEGY_LABELS = {"fedfiot": "FedFiOT", "fedfisher-kfac": "FedFisher (K-FAC)", 
                    "regmean": "RegMean"}
 
 
+def fedfiot_config(cfg: AppConfig) -> FedFiOTConfig:
+    """The FedFiOT configuration the run config names: ``preset`` plus the merge keys."""
+    lists = cfg.sweep_lists()
+    base = FedFiOTConfig.named(cfg.preset)
+    scalings = lists["fisher_scalings"] or (base.sweep.fisher_scalings if base.sweep is not None else ("none",))
+    sweep = SweepGrid(rhos=lists["rhos"], lams=lists["lams"], references=lists["references"],
+                      fisher_scalings=scalings) if cfg.sweep else None
+    return FedFiOTConfig.named(
+        cfg.preset, rho=cfg.rho, lam=cfg.lam, reference=cfg.reference_value(), fisher_scaling=cfg.fisher_scaling,
+        max_iters=cfg.max_iters, matching=cfg.matching, aggregation=cfg.aggregation,
+        selection=cfg.fallback or base.selection, sweep=sweep,
+    )
+
+
 def build_strategy(
     cfg: AppConfig,
     model: torch.nn.Module,
-    validate_fn: Callable[[int, ArrayRecord], MetricRecord] | None,
+    validate_fn: ValidateFn | None,
     min_train: int,
-    run_dir: Path,
-) -> FedAvg:
-    """The strategy the ``strategy`` key names, with the run's sampling, results file and checkpoints.
+) -> MergeStrategy:
+    """The strategy the ``strategy`` key names, with the run's sampling.
 
-    ``fedfiot``: :class:`~fedfiot_flwr.FedFiOT` with the merge keys; ``fedfisher-kfac`` /
-    ``fedfisher-diag``: :class:`~fedfiot_flwr.baselines.FedFisherStrategy` (``fedfisher-steps``,
-    ``fisher-kind``); ``regmean``: :class:`~fedfiot_flwr.baselines.RegMeanStrategy`. All select
-    their knobs on ``validate_fn`` and record FedAvg of the same uploads.
+    ``fedfiot``: :class:`~fedfiot_flwr.FedFiOT` with :func:`fedfiot_config`; ``fedfisher-kfac`` /
+    ``fedfisher-diag``: :class:`~fedfiot_flwr.FedFisherStrategy` (``fedfisher-steps``,
+    ``fisher-kind``); ``regmean``: :class:`~fedfiot_flwr.RegMeanStrategy`. All select their knobs
+    on ``validate_fn`` and compute FedAvg of the same uploads next to their own model.
     """
     common: dict[str, Any] = dict(
         model=model,
         validate_fn=validate_fn,
         fraction_train=cfg.fraction_train,
-        fraction_evaluate=0.0,
+        fraction_evaluate=cfg.fraction_evaluate,
         min_train_nodes=min_train,
+        min_evaluate_nodes=min_train,
         min_available_nodes=cfg.num_partitions,
         min_valid_replies=min(cfg.min_valid_replies, min_train),
         node_wait_s=cfg.node_wait_s,  # a lost SuperNode must not stop the later rounds
-        results_path=run_dir / "results.json",
-        checkpoint_dir=run_dir / "checkpoints",
-        run_info={"app": cfg.as_dict(), "run_dir": str(run_dir)},
     )
     if cfg.strategy == "fedfiot":
-        return FedFiOT(
-            spec=permutation_spec(model),
-            lam=cfg.lam,
-            rho=cfg.rho,
-            max_iters=cfg.max_iters,
-            reference=cfg.reference_value(),
-            matching=cfg.matching,
-            aggregation=cfg.aggregation,
-            fisher_scaling=cfg.fisher_scaling,
-            fallback=cfg.fallback or None,
-            preset=cfg.preset or None,
-            sweep=cfg.sweep_grid() if cfg.sweep else None,
-            **common,
-        )
+        return FedFiOT(spec=permutation_spec(model), config=fedfiot_config(cfg), **common)
     if cfg.strategy in ("fedfisher-kfac", "fedfisher-diag"):
         return FedFisherStrategy(
             cfg.strategy.removeprefix("fedfisher-"), steps=cfg.fedfisher_steps, fisher_kind=cfg.client_fisher_kind(),
@@ -163,21 +160,22 @@ def build_strategy(
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Build the data split, the model and the FedFiOT strategy, run it, and report FedFiOT vs FedAvg."""
+    """Build the data split, the model and the strategy, run it recorded, and report it against FedAvg."""
     cfg = _resolve_federation(grid, AppConfig.from_run_config(context.run_config))
-    run_dir = cfg.run_dir().resolve()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     split = cfg.split()
     model = cfg.build_model(split)
     eval_model = cfg.build_model(split)
-    validate_fn = test_fn = None
+    validate_fn = None
     if len(split.validation) > 0:
-        validate_fn = _evaluator(cfg, eval_model, DataLoader(split.validation, batch_size=512), device)
+        validate_fn = make_validate_fn(eval_model, DataLoader(split.validation, batch_size=512), device)
     test_fn = _evaluator(cfg, eval_model, DataLoader(split.test, batch_size=512), device)
     min_train = max(1, round(cfg.fraction_train * cfg.num_partitions))
 
-    strategy = build_strategy(cfg, model, validate_fn, min_train, run_dir)
-    log(INFO, "FedFiOT app (%s): %s; results in %s", type(strategy).__name__, json.dumps(cfg.as_dict()), run_dir)
+    strategy = build_strategy(cfg, model, validate_fn, min_train)
+    recorder = RunRecorder.create(cfg.results_dir, cfg.default_run_name(), {"app": cfg.as_dict()})
+    log(INFO, "FedFiOT app (%s): %s; results in %s", type(strategy).__name__, json.dumps(cfg.as_dict()),
+        recorder.run_dir)
 
     train_config = ConfigRecord(
         {
@@ -188,14 +186,15 @@ def main(grid: Grid, context: Context) -> None:
             "seed": cfg.seed,
         }
     )
-    result = strategy.start(
+    recorder.run(
+        strategy,
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=cfg.num_server_rounds,
         train_config=train_config,
         evaluate_fn=test_fn,
     )
-    final = strategy.results.data["final"]
+    final = recorder.data["final"]
     ours = (final.get("test") or {}).get("accuracy")
     base = (final.get("fedavg_test") or {}).get("accuracy")
     own = (final.get("own_test") or {}).get("accuracy")
@@ -207,6 +206,5 @@ def main(grid: Grid, context: Context) -> None:
         "n/a" if ours is None else f"{100 * ours:.2f}%",
         "n/a" if base is None else f"{100 * base:.2f}%",
         "" if own is None else f" (FedAvg won the validation choice; FedFiOT's own merge: {100 * own:.2f}%)",
-        run_dir / "results.json",
+        recorder.path,
     )
-    del result

@@ -1,10 +1,10 @@
-"""Issue 8: why can FedFiOT lose to FedAvg on the same uploads, and what fixes it?
+"""Why can FedFiOT lose to FedAvg on the same uploads, and what fixes it?
 
 Loads (or trains) the cached uploads of ``benchmarks/one_shot.py`` for each setting and merges them
 with one remedy at a time, each with its knobs (rho x lam x reference, and the Fisher scaling where
 it is the remedy) chosen on the server validation set. Reports validation and test accuracy per
 remedy, the objective of the aligned vs the identity merge, and per-client Fisher mass (empirical,
-and true when ``--true-fisher``), so that the causes listed in issue 8 are measured, not assumed.
+and true when ``--true-fisher``), so that each candidate cause is measured, not assumed.
 
 Run (after the one-shot runs that cached the uploads):
 
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
 from fedfiot_flwr.fisher import diagonal_fisher  # noqa: E402
-from fedfiot_flwr.selection import Candidate, SweepGrid, merge_round  # noqa: E402
-from fedfiot_flwr.strategy_utils import CollectedUploads  # noqa: E402
+from fedfiot_flwr.server.selection import Candidate, SweepGrid, merge_round  # noqa: E402
+from fedfiot_flwr.server.uploads import CollectedUploads  # noqa: E402
 
 RHOS = (0.3, 0.5, 0.7)
 WIDE_RHOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
@@ -111,7 +111,7 @@ def markdown(payload: dict[str, Any]) -> str:
     remedies = [n for n in REMEDIES if any(r["remedy"] == n for r in recs)]
     head = "| remedy | what it tests | " + " | ".join(f"α={a} E={e} {f}" for a, e, f in settings) + " |"
     lines = [
-        "# FedFiOT against FedAvg on the same uploads (issue 8)", "",
+        "# FedFiOT against FedAvg on the same uploads", "",
         f"Command: `{payload['command']}`", "", f"Machine: {payload['machine']}; {payload['seconds'] / 60:.1f} min.", "",
         f"Fashion-MNIST, paper's CNN (28x28), K = 6, shared init, seeds {seeds}; knobs of every row chosen on the "
         "500-example validation set over rho x lam x reference (and the Fisher scaling where named). "

@@ -3,8 +3,8 @@
 For each data set the K clients are trained once (the one-shot benchmark's uploads, cached);
 then one client at a time re-packs its upload with its Fisher multiplied by a factor (``1e3``,
 ``1e6``, or scaled to float32's largest value) and the round goes through the strategy's own
-path: :func:`~fedfiot_flwr.strategy_utils.collect_uploads` (the reply bounds) and
-:func:`~fedfiot_flwr.selection.merge_round` with the default preset (validation choice between
+path: :func:`~fedfiot_flwr.server.uploads.collect_uploads` (the reply bounds) and
+:func:`~fedfiot_flwr.server.selection.merge_round` with the default preset (validation choice between
 the aligned merge, the identity merge and FedAvg), with and without the robust Fisher cap
 (:func:`fedfiot_flwr.merge.robust.cap_fishers`). Reported: test accuracy, the honest-run
 difference, the attacker's mean per-coordinate weight share (at the chosen rho, lam) and
@@ -34,8 +34,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import harness as H  # noqa: E402
 from fedfiot_flwr.client import pack_reply  # noqa: E402
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, cap_fishers, weight_shares  # noqa: E402
-from fedfiot_flwr.selection import merge_round  # noqa: E402
-from fedfiot_flwr.strategy_utils import collect_uploads  # noqa: E402
+from fedfiot_flwr.server.selection import merge_round  # noqa: E402
+from fedfiot_flwr.server.uploads import collect_uploads  # noqa: E402
 
 F32_MAX = float(np.finfo(np.float32).max)
 FACTORS = {"1e3": 1e3, "1e6": 1e6, "f32max": None}  # None: every tensor's largest entry at float32 max

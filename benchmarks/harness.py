@@ -3,8 +3,8 @@
 Everything reuses the library: :class:`~fedfiot_flwr.app_config.AppConfig` for the split, the
 model and the seeds (so a benchmark client is the Flower ClientApp's client), the client's
 training + Fisher + 16-bit packing (:mod:`fedfiot_flwr.client`), the strategy's reply
-collection (:func:`~fedfiot_flwr.strategy_utils.collect_uploads`) and its validation-based
-selection (:func:`~fedfiot_flwr.selection.merge_round`), and the engine's method presets
+collection (:func:`~fedfiot_flwr.server.uploads.collect_uploads`) and its validation-based
+selection (:func:`~fedfiot_flwr.server.selection.merge_round`), and the engine's method presets
 (:data:`fedfiot_flwr.merge.METHODS`).
 
 Every method is applied to the SAME uploads of a setting, and each method's knobs are chosen
@@ -33,13 +33,14 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from torch.utils.data import DataLoader
 
 from fedfiot_flwr.app_config import AppConfig
-from fedfiot_flwr.client import pack_reply
+from fedfiot_flwr.wire import pack_reply
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.fisher import diagonal_fisher
 from fedfiot_flwr.merge import METHODS, PermutationSpec, merge
 from fedfiot_flwr.models import permutation_spec
-from fedfiot_flwr.selection import Candidate, MergeOutcome, SweepGrid, merge_round
-from fedfiot_flwr.strategy_utils import CollectedUploads, collect_uploads, resolve_spec
+from fedfiot_flwr.server.selection import Candidate, MergeOutcome, SweepGrid, merge_round
+from fedfiot_flwr.server.shell import buffers_of
+from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads
 from fedfiot_flwr.task import default_device, evaluate, train
 
 logger = logging.getLogger("fedfiot_flwr.benchmarks")
@@ -84,7 +85,7 @@ METHOD_LABELS = {
     "fedfisher-kfac": "FedFisher (K-FAC)",
     "regmean": "RegMean",
 }
-# The paper's curvature baselines (issue 7): they need each client's curvature of its trained model,
+# The paper's curvature baselines: they need each client's curvature of its trained model,
 # computed here from the cached trained weights on the client's own unaugmented data and cached next
 # to the uploads. Not in ONE_SHOT_METHODS: FedFisher's 2000 server steps (with a validation pass
 # every 100) and the K-FAC factors of the true Fisher are slow on CPU; select them with --methods.
@@ -442,7 +443,7 @@ class MethodPlan:
     grid : SweepGrid or None
         The method's own knobs, selected on validation accuracy.
     fallback : str
-        :func:`fedfiot_flwr.selection.merge_round`'s fallback.
+        :func:`fedfiot_flwr.server.selection.merge_round`'s fallback.
     upload : {"q16", "fp32"}
         The 16-bit uploads (default) or their float32 originals.
     """
@@ -492,7 +493,7 @@ def method_plans(names: Sequence[str], init: str, grid: str = "paper", broadcast
     - Ablations B, C, D and FedFiOT: rho x lam (x reference when there is alignment), the
       paper's rule for the identity fallback, the paper's unscaled Fisher.
     - ``fedfiot-val``: FedFiOT's grid plus Fisher scaling, keeping the aligned or the identity
-      merge by validation accuracy instead of the objective (SPEC "points left open").
+      merge by validation accuracy instead of the objective (a point the paper leaves open).
 
     ``reference="broadcast"`` (the shared initialisation in one-shot, the previous global
     model later) is a candidate when ``broadcast_reference`` and there is a broadcast model.
@@ -515,7 +516,7 @@ def method_plans(names: Sequence[str], init: str, grid: str = "paper", broadcast
         "fedfiot-fp32": MethodPlan("fedfiot-fp32", "fedfiot", default, SweepGrid(rhos, lams, refs), "objective", "fp32"),
         "fedfiot-val": MethodPlan("fedfiot-val", "fedfiot", default, SweepGrid(rhos, lams, refs, ("none", "size")),
                                   "validation"),
-        # The library's default preset (issue 8): validation picks aligned / identity / FedAvg.
+        # The library's default preset: validation picks aligned / identity / FedAvg.
         "fedfiot-default": MethodPlan("fedfiot-default", "fedfiot", default,
                                       SweepGrid(rhos, lams, refs, ("none", "size")), "validation",
                                       fedavg_candidate=True),
@@ -566,7 +567,7 @@ def apply_method(
 ) -> MethodResult:
     """Merge ``uploads`` with one method, choosing its knobs on validation accuracy.
 
-    Uses :func:`fedfiot_flwr.selection.merge_round` (the strategy's own selection), with
+    Uses :func:`fedfiot_flwr.server.selection.merge_round` (the strategy's own selection), with
     ``server_round=2`` when the broadcast model is offered as a reference in one-shot with a
     shared initialisation (``merge_round`` drops ``"broadcast"`` in round 1, where the paper
     uses only the largest client).
@@ -635,8 +636,7 @@ def model_tools(setting: Setting, split: FederatedSplit) -> tuple[Callable[[], t
     cfg = setting.app_config()
     build = lambda: cfg.build_model(split)  # noqa: E731
     model = build()
-    spec, buffers = resolve_spec(permutation_spec(model), model)
-    assert spec is not None
+    spec, buffers = permutation_spec(model), buffers_of(model)
     return build, spec, buffers
 
 
@@ -714,11 +714,11 @@ def curvature_replies(
     """Every client's reply for ``method``, from its cached trained weights (float32) and its own data.
 
     The curvature is computed as the ClientApp computes it
-    (:func:`fedfiot_flwr.baselines.pack_upload`, on the client's examples without augmentation,
+    (:func:`fedfiot_flwr.client.curvature_reply`, on the client's examples without augmentation,
     batches of 1000) and cached as ``client<k>-<method>[-<kind>].npz`` next to the uploads.
     ``fedfisher-diag`` with the empirical Fisher is FedFiOT's upload itself (nothing to compute).
     """
-    from fedfiot_flwr.baselines import pack_upload
+    from fedfiot_flwr.client import curvature_reply
 
     if method not in CURVATURE_METHODS:
         raise ValueError(f"unknown curvature method {method!r}; choose from {CURVATURE_METHODS}")
@@ -740,7 +740,7 @@ def curvature_replies(
         model = load_numpy(build(), uploads.float32.weights[pid])
         loader = DataLoader(split.client_eval(pid), batch_size=1000)
         t0 = time.perf_counter()
-        reply = pack_upload(method, model, loader, num_examples=len(split.client_indices[pid]),
+        reply = curvature_reply(method, model, loader, num_examples=len(split.client_indices[pid]),
                             metrics=uploads.quantized.metrics[pid], fisher_kind=fisher_kind, device=device)
         dt = time.perf_counter() - t0
         log(f"  client {pid}: {method} curvature ({fisher_kind if method != 'regmean' else 'Gram'}) {dt:.1f}s")
@@ -790,17 +790,15 @@ class CurvatureMethodResult:
         }
 
 
-def curvature_strategy(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str = "true",
-                       buffers: Sequence[str] = (), device: torch.device | None = None) -> Any:
-    """The Flower strategy of ``method`` (used here for its ``collect`` and ``merge_uploads`` only)."""
-    from fedfiot_flwr.baselines import FedFisherStrategy, RegMeanStrategy
+def curvature_aggregator(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str = "true",
+                         device: torch.device | None = None) -> Any:
+    """The aggregator the Flower strategy of ``method`` runs (FedFisher or RegMean)."""
+    from fedfiot_flwr.server.aggregators import FedFisherAggregator, RegMeanAggregator
 
-    # fraction_evaluate only silences FedAvg's "evaluation will be skipped" warning: start() is never called.
-    common = dict(buffers=buffers, baseline=False, min_valid_replies=1, fraction_evaluate=1.0)
     if method == "regmean":
-        return RegMeanStrategy(**common)
+        return RegMeanAggregator()
     variant = {"fedfisher-kfac": "kfac", "fedfisher-diag": "diag"}[method]
-    return FedFisherStrategy(variant, steps=steps, fisher_kind=fisher_kind, device=device, **common)
+    return FedFisherAggregator(variant, steps=steps, fisher_kind=fisher_kind, device=device)
 
 
 def curvature_knobs(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str = "true") -> str:
@@ -828,23 +826,25 @@ def apply_curvature_method(
 ) -> CurvatureMethodResult:
     """Merge one setting with a curvature baseline, selecting on validation accuracy.
 
-    The replies (:func:`curvature_replies`) go through the Flower strategy's own ``collect``
-    (unpack, dequantize, validate) and ``merge_uploads`` (FedFisher: best checkpoint;
-    RegMean: best alpha), so the benchmark merges exactly what the app would.
+    The replies (:func:`curvature_replies`) are decoded as the Flower strategy decodes them
+    (:func:`~fedfiot_flwr.server.uploads.collect_uploads`) and merged by the same aggregator
+    (FedFisher: best checkpoint; RegMean: best alpha), so the benchmark merges exactly what the app would.
     """
-    from fedfiot_flwr.baselines.wire import fedavg_payload_bytes
+    from fedfiot_flwr.server.aggregators import RoundContext
+    from fedfiot_flwr.wire import fedavg_payload_bytes
 
     cr = curvature_replies(method, setting, split, uploads, build, fisher_kind, cache_dir, device, log)
-    strategy = curvature_strategy(method, steps, fisher_kind, buffers, device)
+    aggregator = curvature_aggregator(method, steps, fisher_kind, device)
     ids = [str(i) for i in range(len(cr.replies))]
     expected = {k: tuple(v.shape) for k, v in uploads.float32.weights[0].items()}
-    collected = strategy.collect(list(zip(ids, cr.replies)), expected_shapes=expected)
+    collected = collect_uploads(list(zip(ids, cr.replies)), expected, buffers, kind=aggregator.reply_kind,
+                                fisher_kind=aggregator.fisher_kind)
     if collected.rejections:
         raise ValueError(f"{method} uploads rejected: {[vars(r) for r in collected.rejections]}")
-    outcome = strategy.merge_uploads(collected, lambda m: float(validate(m)["accuracy"]))
+    outcome = aggregator.aggregate(collected, RoundContext(1, buffers=tuple(buffers), validate=validate))
     chosen = dict(outcome.chosen)
     chosen["swept"] = ["alpha"] if method == "regmean" else ["best_step"]
-    candidates = (len(strategy.alphas) if method == "regmean"
+    candidates = (len(aggregator.alphas) if method == "regmean"
                   else len(outcome.record.get("history", [])))
     curv = getattr(collected, "curvature_bytes_per_client", {})
     return CurvatureMethodResult(
@@ -1061,7 +1061,7 @@ def replace_setting(setting: Setting, **changes: Any) -> Setting:
 
 __all__ = [
     "CACHE_DIR", "CURVATURE_METHODS", "CurvatureMethodResult", "CurvatureReplies", "DEFAULT_MODELS",
-    "FEDFISHER_STEPS", "apply_curvature_method", "curvature_knobs", "curvature_replies", "curvature_strategy",
+    "FEDFISHER_STEPS", "apply_curvature_method", "curvature_knobs", "curvature_replies", "curvature_aggregator",
     "upload_table", "EXTRA_METHODS", "Evaluator", "GRIDS", "METHOD_LABELS", "MethodPlan",
     "MethodResult", "ONE_SHOT_METHODS", "RESULTS_DIR", "Setting", "Uploads", "accuracy_table", "apply_method",
     "client_seed", "collect", "command_line", "fedfiot_alignment_fraction", "flower_fedavg", "fraction_table",

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
 from fedfiot_flwr.merge.lap import lapjv_available  # noqa: E402
-from fedfiot_flwr.selection import merge_round  # noqa: E402
+from fedfiot_flwr.server.selection import merge_round  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
 
 RESULT = H.RESULTS_DIR / "sweep_cost.md"

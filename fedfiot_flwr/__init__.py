@@ -1,8 +1,9 @@
 """FedFiOT for Flower: Fisher-weighted optimal-transport model merging.
 
-``from fedfiot_flwr import FedFiOT`` (Message API, ``flwr.serverapp.strategy``) or
-``from fedfiot_flwr import FedFiOTLegacy`` (``flwr.server.strategy``). Both are imported lazily so
-that ``import fedfiot_flwr.merge`` stays free of Flower and torch.
+Server: ``from fedfiot_flwr import FedFiOT`` (Message API, a drop-in for Flower's ``FedAvg``) or
+``FedFiOTLegacy`` (``flwr.server.strategy``). Client: ``from fedfiot_flwr import fisher_reply``
+after your own training loop. Names are imported lazily so that ``import fedfiot_flwr.merge``
+stays free of Flower and torch.
 """
 
 from __future__ import annotations
@@ -11,14 +12,33 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["FedFiOT", "FedFiOTLegacy", "SweepGrid", "__version__"]
+__all__ = [
+    "FedFiOT",
+    "FedFiOTConfig",
+    "FedFiOTLegacy",
+    "FedFisherStrategy",
+    "RegMeanStrategy",
+    "SweepGrid",
+    "__version__",
+    "fisher_reply",
+    "make_validate_fn",
+]
 
 if TYPE_CHECKING:
-    from .legacy import FedFiOTLegacy
-    from .selection import SweepGrid
-    from .strategy import FedFiOT
+    from .client import fisher_reply
+    from .server import FedFiOT, FedFiOTConfig, FedFiOTLegacy, FedFisherStrategy, RegMeanStrategy, SweepGrid
+    from .validation import make_validate_fn
 
-_LAZY = {"FedFiOT": ".strategy", "FedFiOTLegacy": ".legacy", "SweepGrid": ".selection"}
+_LAZY = {
+    "FedFiOT": ".server",
+    "FedFiOTConfig": ".server",
+    "FedFiOTLegacy": ".server",
+    "FedFisherStrategy": ".server",
+    "RegMeanStrategy": ".server",
+    "SweepGrid": ".server",
+    "fisher_reply": ".client",
+    "make_validate_fn": ".validation",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .selection import FALLBACKS, FISHER_SCALINGS, PRESETS, REFERENCES, SweepGrid
-from .strategy_utils import parse_float_list, parse_str_list
+from .merge import FISHER_SCALINGS
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +25,37 @@ INITS = ("shared", "independent")
 STRATEGIES = ("fedfiot", "fedfisher-kfac", "fedfisher-diag", "regmean")
 """Values of the ``strategy`` key: FedFiOT or one of the paper's one-shot baselines."""
 FISHER_KINDS = ("true", "empirical")
+PRESETS = ("default", "paper")
+"""Values of ``preset``: :meth:`fedfiot_flwr.FedFiOTConfig.default` or ``.paper``."""
+FALLBACKS = ("objective", "validation", "none")
+"""Values of ``fallback`` (the FedFiOT configuration's ``selection``)."""
+REFERENCES = ("largest", "broadcast")
+
+
+def parse_float_list(text: str | Sequence[float], name: str) -> tuple[float, ...]:
+    """Parse ``"0.2,0.3"`` (a run-config string) or a sequence into a tuple of floats.
+
+    Raises
+    ------
+    ValueError
+        Naming the config key when an entry is not a number or the list is empty.
+    """
+    items = [s.strip() for s in text.split(",") if s.strip()] if isinstance(text, str) else list(text)
+    try:
+        values = tuple(float(x) for x in items)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from exc
+    if not values:
+        raise ValueError(f"{name}: expected at least one value, got {text!r}")
+    return values
+
+
+def parse_str_list(text: str | Sequence[str], name: str) -> tuple[str, ...]:
+    """Parse ``"largest,broadcast"`` (a run-config string) or a sequence into a tuple of str."""
+    items = [s.strip() for s in text.split(",") if s.strip()] if isinstance(text, str) else [str(x) for x in text]
+    if not items:
+        raise ValueError(f"{name}: expected at least one value, got {text!r}")
+    return tuple(items)
 
 
 @dataclass(frozen=True)
@@ -49,26 +78,30 @@ class AppConfig:
         Client training; ``seed`` is the shared initialisation (and training) seed; ``init`` is
         ``"shared"`` (paper Table 1) or ``"independent"`` (Table 5: every client its own random
         init in round 1).
-    num_server_rounds, fraction_train, min_valid_replies, node_wait_s, node_settle_s
-        Rounds (1 = one-shot), fraction of nodes sampled per round, minimum valid replies to
+    num_server_rounds, fraction_train, fraction_evaluate, min_valid_replies, node_wait_s, node_settle_s
+        Rounds (1 = one-shot), fraction of nodes sampled per round for training and for
+        federated evaluation (Flower's ``FedAvg`` defaults, 1.0), minimum valid replies to
         merge, how long the server waits for all ``num_partitions`` SuperNodes (with
         ``num_partitions = 0``: for the first one), and, with ``num_partitions = 0``, for how
         many seconds the set of connected SuperNodes must stay unchanged before the run starts.
-    lam, rho, max_iters, reference, matching, aggregation, fisher_scaling, fallback
-        The merge (see :class:`fedfiot_flwr.FedFiOT`).
+    preset, lam, rho, max_iters, reference, matching, aggregation, fisher_scaling, fallback
+        The merge: ``preset`` names :meth:`fedfiot_flwr.FedFiOTConfig.default` or ``.paper``; the
+        other keys are that configuration's fields (``fallback`` is its ``selection``; empty: the
+        preset's).
     sweep, sweep_rho, sweep_lam, sweep_reference, sweep_fisher_scaling
         Server-side selection on the validation set over the grid (comma-separated lists).
     strategy, fisher_kind, fedfisher_steps
         The aggregation: ``fedfiot`` (default) or a baseline, ``fedfisher-kfac``,
-        ``fedfisher-diag`` (:class:`fedfiot_flwr.baselines.FedFisherStrategy`) or ``regmean``
-        (:class:`fedfiot_flwr.baselines.RegMeanStrategy`); the clients send the matching upload.
+        ``fedfisher-diag`` (:class:`fedfiot_flwr.FedFisherStrategy`) or ``regmean``
+        (:class:`fedfiot_flwr.RegMeanStrategy`); the clients send the matching upload.
         ``fisher_kind`` is the clients' Fisher (``true`` | ``empirical``; empty: the strategy's
-        own, ``empirical`` for FedFiOT, eq. 106, and ``true`` for FedFisher, as its code);
+        own, ``empirical`` for FedFiOT and ``true`` for FedFisher, as its code);
         ``fedfisher_steps`` the FedFisher server optimisation's length (paper: 2000).
     results_dir, run_name
-        Results land in ``results_dir/run_name/`` (``results.json``, ``checkpoints/``); an empty
-        ``run_name`` is derived from the settings and the time. A relative ``results_dir`` is
-        relative to the ServerApp's working directory (the SuperLink's): prefer an absolute one.
+        Results land in a new directory ``results_dir/run_name[-N]/`` (``results.json``,
+        ``checkpoints/``; an existing run is never overwritten); an empty ``run_name`` is derived
+        from the settings and the time. A relative ``results_dir`` is resolved against the
+        ServerApp's working directory (the SuperLink's); the log prints the absolute path.
     """
 
     dataset: str = "digits"
@@ -86,6 +119,7 @@ class AppConfig:
     init: str = "shared"
     num_server_rounds: int = 1
     fraction_train: float = 1.0
+    fraction_evaluate: float = 1.0
     min_valid_replies: int = 2
     node_wait_s: float = 120.0
     node_settle_s: float = 3.0
@@ -129,12 +163,14 @@ class AppConfig:
             raise bad("num-server-rounds", "must be >= 1")
         if not 0 < self.fraction_train <= 1:
             raise bad("fraction-train", "must lie in (0, 1]")
+        if not 0 <= self.fraction_evaluate <= 1:
+            raise bad("fraction-evaluate", "must lie in [0, 1]")
         if self.init not in INITS:
             raise bad("init", f"must be one of {INITS}")
         if self.fallback and self.fallback not in FALLBACKS:
             raise bad("fallback", f"must be one of {FALLBACKS} or empty (the preset's)")
-        if self.preset and self.preset not in PRESETS:
-            raise bad("preset", f"must be one of {sorted(PRESETS)} or empty")
+        if self.preset not in PRESETS:
+            raise bad("preset", f"must be one of {PRESETS}")
         if self.fisher_scaling not in FISHER_SCALINGS:
             raise bad("fisher-scaling", f"must be one of {FISHER_SCALINGS}")
         if not (self.reference in REFERENCES or re.fullmatch(r"\d+", self.reference)):
@@ -147,7 +183,7 @@ class AppConfig:
             raise bad("fisher-kind", f"must be one of {FISHER_KINDS} or empty (the strategy's own)")
         if self.fedfisher_steps < 0:
             raise bad("fedfisher-steps", "must be >= 0")
-        self.sweep_grid()  # validates the lists
+        self.sweep_lists()  # validates the lists
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
@@ -216,31 +252,29 @@ class AppConfig:
         """The Fisher kind the clients compute: ``fisher_kind``, or the strategy's own when empty."""
         return self.fisher_kind or ("empirical" if self.strategy == "fedfiot" else "true")
 
-    def sweep_grid(self) -> SweepGrid:
-        """The selection grid from the ``sweep-*`` lists."""
+    def sweep_lists(self) -> dict[str, tuple[Any, ...] | None]:
+        """The ``sweep-*`` lists, parsed and checked (``fisher_scalings`` None: the preset's)."""
         refs = parse_str_list(self.sweep_reference, "sweep-reference")
-        scalings = (parse_str_list(self.sweep_fisher_scaling, "sweep-fisher-scaling") if self.sweep_fisher_scaling
-                    else PRESETS[self.preset]["fisher_scalings"] if self.preset else ("none",))
+        scalings = parse_str_list(self.sweep_fisher_scaling, "sweep-fisher-scaling") if self.sweep_fisher_scaling else None
         for r in refs:
             if r not in REFERENCES:
                 raise ValueError(f"run config 'sweep-reference': {r!r} is not one of {REFERENCES}")
-        for s in scalings:
-            if s not in FISHER_SCALINGS:
-                raise ValueError(f"run config 'sweep-fisher-scaling': {s!r} is not one of {FISHER_SCALINGS}")
-        return SweepGrid(
-            rhos=parse_float_list(self.sweep_rho, "sweep-rho"),
-            lams=parse_float_list(self.sweep_lam, "sweep-lam"),
-            references=refs,
-            fisher_scalings=scalings,
-        )
+        for sc in scalings or ():
+            if sc not in FISHER_SCALINGS:
+                raise ValueError(f"run config 'sweep-fisher-scaling': {sc!r} is not one of {FISHER_SCALINGS}")
+        return {
+            "rhos": parse_float_list(self.sweep_rho, "sweep-rho"),
+            "lams": parse_float_list(self.sweep_lam, "sweep-lam"),
+            "references": refs,
+            "fisher_scalings": scalings,
+        }
 
-    def run_dir(self) -> Path:
-        """``results_dir/run_name`` (run name derived from the settings when empty)."""
-        name = self.run_name or (
+    def default_run_name(self) -> str:
+        """``run_name``, or a name derived from the settings and the time when empty."""
+        return self.run_name or (
             f"{self.dataset}-{self.model}-K{self.num_partitions or 'auto'}-a{self.alpha:g}-T{self.num_server_rounds}-"
             f"{self.init}{'' if self.strategy == 'fedfiot' else '-' + self.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
-        return Path(self.results_dir).expanduser() / name
 
     def as_dict(self) -> dict[str, Any]:
         """The configuration with run-config (kebab-case) keys."""

@@ -1,4 +1,4 @@
-"""Layer-wise uniform 16-bit quantizer of FedFiOT uploads (SPEC.md, eq. 107).
+"""Layer-wise uniform 16-bit quantizer of FedFiOT uploads (the paper's eq. 107).
 
 Each tensor ``x`` is sent as signed 16-bit codes plus one float32 scale,
 

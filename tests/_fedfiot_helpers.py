@@ -100,6 +100,8 @@ class FakeGrid(Grid):
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
         out = []
         for msg in messages:
+            # as Flower's grids do when they push a message
+            msg.metadata.__dict__["_message_id"] = f"msg-{len(self.sent)}"
             self.sent.append(msg)
             out.append(self.client_fn(msg.metadata.dst_node_id, msg))
         return out

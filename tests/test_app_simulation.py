@@ -29,8 +29,12 @@ from _fedfiot_helpers import ROOT, app_snapshot, live_processes
 def test_main_command_runs_default_app_end_to_end(tmp_path: Path) -> None:
     before = app_snapshot()
     env = {**os.environ, "SKIP_SETUP": "1"}
+    # The main command with a lighter workload (5 local epochs, a 2 x 1 sweep): what it checks is the
+    # path from the script to the results, not the accuracy of the full default.
+    light = "local-epochs=5 sweep-rho='0.3,0.5' sweep-lam='1e-4'"
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "run_main.sh"), "--results-dir", str(tmp_path), "--run-name", "e2e"],
+        ["bash", str(ROOT / "scripts" / "run_main.sh"), "--results-dir", str(tmp_path), "--run-name", "e2e",
+         "--run-config", light],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=420, check=False,
     )
     out = proc.stdout + proc.stderr
@@ -45,8 +49,12 @@ def test_main_command_runs_default_app_end_to_end(tmp_path: Path) -> None:
     assert cfg["dataset"] == "digits" and cfg["num-server-rounds"] == 1 and cfg["num-partitions"] == 6
     (rnd,) = data["rounds"]
     assert len(rnd["clients"]) == 6 and rnd["rejected"] == []
-    assert set(rnd["fraction_permuted"]) == set(rnd["clients"])
+    assert set(rnd["alignment_moved_fraction"]) == set(rnd["clients"])
     assert rnd["num_trials"] >= 2 and rnd["chosen"]["reference"] == "largest"
+    assert isinstance(rnd["server_metrics"]["alignment-moved-fraction"], list)
+    assert "train-loss" in data["final"]["train_metrics_clientapp"]["1"]  # client metrics, own names
+    assert "objective-aligned" not in data["final"]["train_metrics_clientapp"]["1"]
+    assert data["final"]["evaluate_metrics_clientapp"]["1"]  # federated evaluation ran (FedAvg's default)
     final = data["final"]
     assert final["test"]["accuracy"] > 0.5 > data["initial_test"]["accuracy"]
     assert 0.0 <= final["fedavg_test"]["accuracy"] <= 1.0
@@ -111,6 +119,11 @@ def test_plain_flwr_run_follows_the_default_federation(tmp_path: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(ROOT / "fedfiot_flwr", app / "fedfiot_flwr", ignore=ignore)
     shutil.copytree(ROOT / "configs", app / "configs", ignore=ignore)
+    # a lighter default workload in the copy (what this test checks is the federation's size)
+    text = (app / "pyproject.toml").read_text()
+    text = re.sub(r"(?m)^local-epochs = \d+", "local-epochs = 5", text)
+    text = re.sub(r'(?m)^sweep-rho = "[^"]*"', 'sweep-rho = "0.3,0.5"', text)
+    (app / "pyproject.toml").write_text(text)
     pyproject = (app / "pyproject.toml").read_bytes()
     home = tmp_path / "flwr-home"
     from fedfiot_flwr.launch import free_ports
@@ -141,7 +154,7 @@ def test_plain_flwr_run_follows_the_default_federation(tmp_path: Path) -> None:
     assert len(pids) == 1, out[-3000:]  # the managed SuperLink it started, now stopped
     assert live_processes(pids) == []
 
-    # results-dir = "results" is relative to the SuperLink's working directory: flwr run's cwd
+    # results-dir = "results" is resolved in the SuperLink's working directory: flwr run's cwd
     (results,) = sorted((app / "results").glob("*/results.json"))
     data = json.loads(results.read_text())
     assert data["status"] == "finished", f"{data.get('error')}\n{out[-3000:]}"

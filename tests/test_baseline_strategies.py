@@ -1,10 +1,11 @@
-"""FedFisher and RegMean as Flower strategies: aggregation equals the core merges, broken replies
+"""FedFisher and RegMean in the strategy shell: aggregation equals the core merges, broken replies
 are excluded and named, the app's ``strategy`` key builds the right pair, the benchmark runs them."""
 
 from __future__ import annotations
 
 import json
 import math
+import stat
 import struct
 from pathlib import Path
 
@@ -16,19 +17,14 @@ from _fedfiot_helpers import SHAPES, FakeGrid, instruction, reply
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
 from torch import nn
 
-from fedfiot_flwr import FedFiOT
+from fedfiot_flwr import FedFiOT, FedFisherStrategy, RegMeanStrategy
 from fedfiot_flwr.app_config import AppConfig
-from fedfiot_flwr.baselines import (
-    FedFisherStrategy,
-    RegMeanStrategy,
-    fedfisher_diag,
-    fedfisher_kfac,
-    pack_upload,
-    regmean_select,
-)
-from fedfiot_flwr.baselines.wire import FACTOR_PREFIX, fedavg_payload_bytes, unpack_curvature_reply
-from fedfiot_flwr.client import unpack_reply
-from fedfiot_flwr.strategy import arrays_to_numpy, numpy_to_arrays
+from fedfiot_flwr.baselines import fedfisher_diag, fedfisher_kfac, regmean_select
+from fedfiot_flwr.client import curvature_reply
+from fedfiot_flwr.server import RunRecorder
+from fedfiot_flwr.server.shell import arrays_to_numpy, numpy_to_arrays
+from fedfiot_flwr.server.uploads import collect_uploads
+from fedfiot_flwr.wire import FACTOR_PREFIX, fedavg_payload_bytes, unpack_curvature_reply, unpack_reply
 
 
 @pytest.fixture(autouse=True)
@@ -65,22 +61,25 @@ def _clients(k: int, seed: int = 0) -> list[tuple[Tiny, list[tuple[torch.Tensor,
 
 
 def _replies(kind: str, k: int = 3, seed: int = 0, first_node: int = 1) -> list[Message]:
-    return [reply(first_node + i, pack_upload(kind, m, data, num_examples=n, metrics={"train-loss": 1.0},
-                                              device="cpu"))
+    return [reply(first_node + i, curvature_reply(kind, m, data, num_examples=n, metrics={"train-loss": 1.0},
+                                                  device="cpu"))
             for i, (m, data, n) in enumerate(_clients(k, seed))]
 
 
-def _validate(server_round: int, arrays: ArrayRecord):  # noqa: ANN202
+def _validate(model: dict[str, np.ndarray]) -> dict[str, float]:
     """A deterministic score with an interior optimum (so selection matters)."""
-    from flwr.app import MetricRecord
-
-    m = arrays_to_numpy(arrays)
-    d = sum(float(np.sum((m[k] - 0.05) ** 2)) for k in SHAPES)
-    return MetricRecord({"accuracy": 1.0 / (1.0 + d), "loss": d})
+    d = sum(float(np.sum((model[k] - 0.05) ** 2)) for k in SHAPES)
+    return {"accuracy": 1.0 / (1.0 + d), "loss": d}
 
 
 def _score(model: dict[str, np.ndarray]) -> float:
-    return float(_validate(1, numpy_to_arrays(model, list(SHAPES)))["accuracy"])
+    return _validate(model)["accuracy"]
+
+
+def _test_fn(server_round: int, arrays: ArrayRecord):  # noqa: ANN202
+    from flwr.app import MetricRecord
+
+    return MetricRecord(_validate(arrays_to_numpy(arrays)))
 
 
 def _broadcast(strategy) -> None:  # noqa: ANN001
@@ -96,25 +95,25 @@ def _assert_same(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) ->
 # ----------------------------------------------------------------- aggregate_train == core merge
 
 
-def test_fedfisher_kfac_aggregate_train_equals_the_core_merge(tmp_path: Path) -> None:
+def test_fedfisher_kfac_aggregate_train_equals_the_core_merge() -> None:
     replies = _replies("fedfisher-kfac")
     strategy = FedFisherStrategy("kfac", steps=30, eval_every=10, validate_fn=_validate, fisher_kind="true",
-                                 baseline=False, results_path=tmp_path / "r.json", device="cpu")
+                                 fedavg_baseline=False, device="cpu")
     _broadcast(strategy)
-    arrays, metrics = strategy.aggregate_train(1, replies)
+    arrays, _ = strategy.aggregate_train(1, replies)
     ups = [unpack_curvature_reply(m.content) for m in replies]
     expected = fedfisher_kfac([u.weights for u in ups], [u.factors for u in ups], [u.num_examples for u in ups],
                               steps=30, eval_every=10, evaluate=_score, device="cpu")
     _assert_same(arrays_to_numpy(arrays), expected.model)
+    metrics = strategy.server_metrics[1]
     assert metrics["num-valid"] == 3 and metrics["num-rejected"] == 0 and metrics["best-step"] == expected.best_step
-    rec = json.loads((tmp_path / "r.json").read_text())["rounds"][0]
+    rec = strategy.reports[0]
     assert rec["fisher_kind"] == "true" and rec["best_step"] == expected.best_step
     assert rec["chosen"]["best_step"] == expected.best_step and len(rec["history"]) == 4
     assert rec["validation"]["accuracy"] == pytest.approx(_score(expected.model))
     # The upload stays within FedAvg's float32 payload of the same model.
     assert set(rec["bytes_per_client"]) == {"1", "2", "3"}
-    assert all(b <= rec["fedavg_bytes_per_client"] for b in rec["bytes_per_client"].values())
-    assert rec["fedavg_bytes_per_client"] == fedavg_payload_bytes(ups[0].weights)
+    assert all(b <= fedavg_payload_bytes(ups[0].weights) for b in rec["bytes_per_client"].values())
     assert all(b > 0 for b in rec["curvature_bytes_per_client"].values())
 
 
@@ -123,27 +122,29 @@ def test_fedfisher_diag_aggregate_train_equals_the_core_merge() -> None:
     strategy = FedFisherStrategy("diag", steps=20, eval_every=5, validate_fn=_validate, fisher_kind="true",
                                  device="cpu")
     _broadcast(strategy)
-    arrays, metrics = strategy.aggregate_train(1, replies)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    metrics = strategy.server_metrics[1]
     ups = [unpack_reply(m.content) for m in replies]
     expected = fedfisher_diag([u.weights for u in ups], [u.fisher for u in ups], [u.num_examples for u in ups],
                               steps=20, eval_every=5, evaluate=_score, device="cpu")
     _assert_same(arrays_to_numpy(arrays), expected.model)
     assert metrics["best-step"] == expected.best_step
-    # FedAvg of the same uploads is recorded next to it (baseline=True by default).
-    assert "fedavg-val-accuracy" in metrics and strategy.results.data["rounds"][0]["fisher_kind"] == "true"
+    # FedAvg of the same uploads is reported next to it (fedavg_baseline=True by default).
+    assert "fedavg-val-accuracy" in metrics and strategy.reports[0]["fisher_kind"] == "true"
 
 
 def test_regmean_aggregate_train_equals_the_core_merge() -> None:
     replies = _replies("regmean", seed=2)
-    strategy = RegMeanStrategy(alphas=(0.1, 0.9), validate_fn=_validate, baseline=False)
+    strategy = RegMeanStrategy(alphas=(0.1, 0.9), validate_fn=_validate, fedavg_baseline=False)
     _broadcast(strategy)
-    arrays, metrics = strategy.aggregate_train(1, replies)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    metrics = strategy.server_metrics[1]
     ups = [unpack_curvature_reply(m.content) for m in replies]
     expected = regmean_select([u.weights for u in ups], [u.grams for u in ups], [u.num_examples for u in ups],
                               _score, alphas=(0.1, 0.9))
     _assert_same(arrays_to_numpy(arrays), expected.model)
     assert metrics["alpha"] == expected.alpha
-    rec = strategy.results.data["rounds"][0]
+    rec = strategy.reports[0]
     assert rec["chosen"] == {"alpha": expected.alpha} and set(rec["alpha_scores"]) == {"0.1", "0.9"}
     assert rec["merged_layers"] == ["fc1", "fc2", "fc3"]
 
@@ -158,7 +159,7 @@ def _nan_scale(content: RecordDict, key: str) -> RecordDict:
     return content
 
 
-def test_broken_replies_are_excluded_and_named(tmp_path: Path) -> None:
+def test_broken_replies_are_excluded_and_named() -> None:
     good = _replies("fedfisher-kfac", k=3, seed=3)
     broken_factor = _replies("fedfisher-kfac", k=1, seed=4, first_node=11)[0]
     _nan_scale(broken_factor.content, f"{FACTOR_PREFIX}fc2/G")
@@ -168,17 +169,16 @@ def test_broken_replies_are_excluded_and_named(tmp_path: Path) -> None:
     truncated.content["fedfiot"][f"{FACTOR_PREFIX}fc1/A"] = Array(dtype=arr.dtype, shape=tuple(arr.shape),
                                                                   stype=arr.stype, data=arr.data[:-3])
     crashed = Message(Error(code=1, reason="client crashed"), reply_to=instruction(14))
-    strategy = FedFisherStrategy("kfac", steps=10, eval_every=5, baseline=False, device="cpu",
-                                 results_path=tmp_path / "r.json")
+    strategy = FedFisherStrategy("kfac", steps=10, eval_every=5, fedavg_baseline=False, device="cpu")
     _broadcast(strategy)
-    arrays, metrics = strategy.aggregate_train(1, [broken_factor, good[0], wrong_kind, good[1], truncated, good[2],
+    arrays, _ = strategy.aggregate_train(1, [broken_factor, good[0], wrong_kind, good[1], truncated, good[2],
                                                    crashed])
     ups = [unpack_curvature_reply(m.content) for m in good]
     expected = fedfisher_kfac([u.weights for u in ups], [u.factors for u in ups], [u.num_examples for u in ups],
                               steps=10, eval_every=5, device="cpu")
     _assert_same(arrays_to_numpy(arrays), expected.model)
-    assert metrics["num-valid"] == 3 and metrics["num-rejected"] == 4
-    rejected = {r["client"]: r["reason"] for r in json.loads((tmp_path / "r.json").read_text())["rounds"][0]["rejected"]}
+    assert strategy.server_metrics[1]["num-valid"] == 3 and strategy.server_metrics[1]["num-rejected"] == 4
+    rejected = {r["client"]: r["reason"] for r in strategy.reports[0]["rejected"]}
     assert set(rejected) == {"11", "12", "13", "14"}
     assert "curvature/fc2/G" in rejected["11"] and "client 11" in rejected["11"]
     assert "'gram'" in rejected["12"] and "'kfac'" in rejected["12"]
@@ -186,48 +186,46 @@ def test_broken_replies_are_excluded_and_named(tmp_path: Path) -> None:
     assert "client crashed" in rejected["14"]
 
 
-def test_too_few_valid_replies_fail_the_round_and_mark_the_results(tmp_path: Path) -> None:
+def test_too_few_valid_replies_fail_the_round() -> None:
     good = _replies("regmean", k=1, seed=7)
     bad = _replies("regmean", k=1, seed=8, first_node=2)[0]
     _nan_scale(bad.content, "fc1.weight")
-    strategy = RegMeanStrategy(min_train_nodes=2, results_path=tmp_path / "r.json")
+    strategy = RegMeanStrategy(min_train_nodes=2)
     _broadcast(strategy)
     with pytest.raises(RuntimeError, match=r"RegMean round 1: only 1 valid replies, at least 2 needed.*client 2"):
         strategy.aggregate_train(1, [good[0], bad])
-    data = json.loads((tmp_path / "r.json").read_text())
-    assert data["status"] == "failed" and data["rounds"][0]["rejected"][0]["client"] == "2"
+    assert strategy.reports[0]["failed"] and strategy.reports[0]["rejected"][0]["client"] == "2"
 
 
 def test_fedfisher_rejects_a_fisher_kind_other_than_the_configured_one() -> None:
     (m, data, n), = _clients(1)
-    content = pack_upload("fedfisher-kfac", m, data, num_examples=n, fisher_kind="empirical", device="cpu")
-    strategy = FedFisherStrategy("kfac", steps=1, fisher_kind="true", min_valid_replies=1)
-    uploads = strategy.collect([("5", content)])
+    content = curvature_reply("fedfisher-kfac", m, data, num_examples=n, fisher_kind="empirical", device="cpu")
+    uploads = collect_uploads([("5", content)], None, kind="kfac", fisher_kind="true")
     assert len(uploads) == 0 and "'empirical'" in uploads.rejections[0].reason
 
 
-def test_start_runs_a_round_and_writes_results_and_checkpoints(tmp_path: Path) -> None:
+def test_recorded_start_runs_a_round_and_writes_results_and_checkpoints(tmp_path: Path) -> None:
     clients = {101 + i: c for i, c in enumerate(_clients(3, seed=9))}
 
     def client_fn(node: int, msg: Message) -> Message:
         model, data, n = clients[node]
-        return Message(content=pack_upload("regmean", model, data, num_examples=n, device="cpu"), reply_to=msg)
+        return Message(content=curvature_reply("regmean", model, data, num_examples=n, device="cpu"), reply_to=msg)
 
-    strategy = RegMeanStrategy(validate_fn=_validate, min_train_nodes=3, min_available_nodes=3,
-                               results_path=tmp_path / "results.json", checkpoint_dir=tmp_path / "ckpt",
-                               run_info={"app": {"x": 1}})
+    strategy = RegMeanStrategy(validate_fn=_validate, min_train_nodes=3, min_available_nodes=3, fraction_evaluate=0.0)
+    recorder = RunRecorder.create(tmp_path, "regmean", {"app": {"x": 1}})
     init = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    result = strategy.start(grid=FakeGrid(list(clients), client_fn), initial_arrays=numpy_to_arrays(init),
-                            num_rounds=1, train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=_validate)
-    data = json.loads((tmp_path / "results.json").read_text())
+    result = recorder.run(strategy, grid=FakeGrid(list(clients), client_fn), initial_arrays=numpy_to_arrays(init),
+                          num_rounds=1, train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=_test_fn)
+    data = json.loads(recorder.path.read_text())
+    assert stat.S_IMODE(recorder.path.stat().st_mode) == 0o644
     assert data["status"] == "finished" and data["config"]["strategy"] == "RegMeanStrategy"
-    assert data["config"]["app"] == {"x": 1} and data["config"]["alphas"] == [0.1, 0.9]
+    assert data["config"]["app"] == {"x": 1} and data["config"]["aggregator"]["alphas"] == [0.1, 0.9]
     final = data["final"]
     assert final["test"]["accuracy"] > 0 and final["fedavg_test"]["accuracy"] > 0 and "alpha" in final["chosen"]
-    saved = torch.load(tmp_path / "ckpt" / "final.pt")
+    saved = torch.load(recorder.run_dir / "checkpoints" / "final.pt")
     for k in SHAPES:
         np.testing.assert_array_equal(saved[k].numpy(), result.arrays[k].numpy())
-    assert (tmp_path / "ckpt" / "round-001.pt").exists()
+    assert (recorder.run_dir / "checkpoints" / "round-001.pt").exists()
 
 
 def test_bad_options_are_rejected() -> None:
@@ -240,27 +238,28 @@ def test_bad_options_are_rejected() -> None:
     with pytest.raises(ValueError, match="alphas"):
         RegMeanStrategy(alphas=(1.5,))
     with pytest.raises(ValueError, match="unknown strategy"):
-        pack_upload("fedprox", Tiny(), [])
+        curvature_reply("fedprox", Tiny(), [])
 
 
 # ------------------------------------------------------------------------------------ the app
 
 
-def test_strategy_key_builds_the_right_server_strategy(tmp_path: Path) -> None:
+def test_strategy_key_builds_the_right_server_strategy() -> None:
     import server_app
 
     model = Tiny()
     built = {}
     for key in ("fedfiot", "fedfisher-kfac", "fedfisher-diag", "regmean"):
         cfg = AppConfig.from_run_config({"strategy": key, "num-partitions": 3, "fedfisher-steps": 50})
-        built[key] = server_app.build_strategy(cfg, model, _validate, 3, tmp_path / key)
+        built[key] = server_app.build_strategy(cfg, model, _validate, 3)
     assert type(built["fedfiot"]) is FedFiOT
-    assert isinstance(built["fedfisher-kfac"], FedFisherStrategy) and built["fedfisher-kfac"].variant == "kfac"
-    assert built["fedfisher-diag"].variant == "diag" and built["fedfisher-diag"].steps == 50
-    assert built["fedfisher-kfac"].fisher_kind == "true"  # FedFisher's own default
+    kfac, diag = built["fedfisher-kfac"].aggregator, built["fedfisher-diag"].aggregator
+    assert isinstance(built["fedfisher-kfac"], FedFisherStrategy) and kfac.variant == "kfac"
+    assert diag.variant == "diag" and diag.steps == 50
+    assert kfac.fisher_kind == "true"  # FedFisher's own default
     assert isinstance(built["regmean"], RegMeanStrategy)
-    for key, s in built.items():
-        assert s.min_valid_replies == 2 and s.results_path == tmp_path / key / "results.json"
+    for s in built.values():
+        assert s.min_valid_replies == 2 and s.fraction_evaluate == 1.0
     assert AppConfig(strategy="fedfisher-kfac", fisher_kind="empirical").client_fisher_kind() == "empirical"
     assert AppConfig().client_fisher_kind() == "empirical" and AppConfig().strategy == "fedfiot"
     with pytest.raises(ValueError, match="'strategy'"):
@@ -283,8 +282,8 @@ def test_client_app_sends_the_upload_its_strategy_reads(key: str) -> None:
                       run_config=run_config)
     out = client_app.train(msg, context).content
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    strategy = server_collector(key, model)
-    uploads = strategy.collect([("7", out)], expected_shapes=shapes)
+    aggregator = server_strategy(key, model).aggregator
+    uploads = collect_uploads([("7", out)], shapes, kind=aggregator.reply_kind, fisher_kind=aggregator.fisher_kind)
     assert len(uploads) == 1, [r.reason for r in uploads.rejections]
     assert uploads.num_examples == [len(split.client_indices[1])]
     if key == "fedfisher-kfac":
@@ -297,7 +296,7 @@ def test_client_app_sends_the_upload_its_strategy_reads(key: str) -> None:
     assert not np.allclose(uploads.weights[0]["fc1.weight"], model.state_dict()["fc1.weight"].numpy())
 
 
-def server_collector(key: str, model: nn.Module):  # noqa: ANN201
+def server_strategy(key: str, model: nn.Module):  # noqa: ANN201
     if key == "regmean":
         return RegMeanStrategy(model=model)
     return FedFisherStrategy(key.removeprefix("fedfisher-"), model=model)

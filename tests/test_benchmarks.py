@@ -151,7 +151,6 @@ def test_few_round_smoke(tmp_path: Path) -> None:
         (m, r) for m in few_round.FEW_ROUND_METHODS for r in (1, 2))
     for r in recs:
         assert math.isfinite(r["test_accuracy"]) and math.isfinite(r["alignment_fraction_permuted"]), r["method"]
-    # Round 1 merges the same uploads: FedAvg's round-1 model is the one-shot FedAvg.
     assert (tmp_path / "few_round.png").is_file() and (tmp_path / "few_round.md").is_file()
     text = (tmp_path / "few_round.md").read_text()
     assert f"| {H.METHOD_LABELS['fedfiot']} |" in text and "round 2" in text

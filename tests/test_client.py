@@ -246,3 +246,56 @@ def test_a_client_written_from_the_documented_format_is_byte_identical() -> None
     ours = pack_reply(state, fisher, 7)[ARRAYS_RECORD]
     for name in state:
         assert ours[name].data == external[name].data and ours[name].stype == external[name].stype
+
+
+def test_fisher_reply_packs_the_users_own_model_and_metric_names_unchanged() -> None:
+    from fedfiot_flwr.client import fisher_reply
+    from fedfiot_flwr.fisher import diagonal_fisher
+
+    torch.manual_seed(0)
+    x, y = torch.randn(48, 6), torch.randint(0, 3, (48,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)  # the user's own loop
+    for xb, yb in loader:
+        optim.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        optim.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    content = fisher_reply(model, loader, {"train_loss": 0.25, "steps": 3})
+    assert dict(content[METRICS_RECORD]) == {"num-examples": 48, "train_loss": 0.25, "steps": 3}
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])  # the model is left as trained
+    upload = unpack_reply(_wire(content), _shapes(model), client="own")
+    expected = diagonal_fisher(model, loader, "empirical", device="cpu")
+    for name, f in expected.items():
+        ref = f.numpy()
+        assert np.abs(upload.fisher[name] - ref).max() <= ref.max() / (2 * LEVELS) * 1.001 + 1e-12
+
+
+def test_the_wire_is_torch_free_and_client_and_server_do_not_import_each_other() -> None:
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = "import sys, fedfiot_flwr.wire; assert 'torch' not in sys.modules, 'wire imports torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+    def imported(path: Path) -> set[str]:
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    pkg = root / "fedfiot_flwr"
+    client_side = [pkg / "client.py", pkg / "curvature.py", pkg / "fisher.py", pkg / "wire.py", root / "client_app.py"]
+    for path in client_side:
+        assert not any(m.startswith("fedfiot_flwr.server") for m in imported(path)), path.name
+    for path in (pkg / "server").glob("*.py"):
+        bad = {m for m in imported(path) if m in ("fedfiot_flwr.client", "fedfiot_flwr.curvature", "fedfiot_flwr.task")}
+        assert not bad, (path.name, bad)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfiot_flwr.baselines.wire import (
+from fedfiot_flwr.wire import (
     FACTOR_PREFIX,
     fedavg_payload_bytes,
     pack_gram_reply,

@@ -24,7 +24,7 @@ def test_deployment_with_superlink_and_two_supernodes(tmp_path: Path) -> None:
         proc = fed.flwr_run(
             ROOT,
             {
-                "num-partitions": 2, "alpha": 0.5, "local-epochs": 5, "validation-size": 100,
+                "num-partitions": 2, "alpha": 0.5, "local-epochs": 2, "validation-size": 100, "fraction-evaluate": 0.0,
                 "sweep-rho": "0.3,0.5", "sweep-lam": "1e-4", "num-server-rounds": 2,
                 "results-dir": str(tmp_path / "results"), "run-name": "deploy", "node-wait-s": 60.0,
             },

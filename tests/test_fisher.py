@@ -1,4 +1,4 @@
-"""Diagonal Fisher (SPEC.md, eq. 106): fast path, torch.func fallback and naive loop agree
+"""Diagonal Fisher (the paper's eq. 106): fast path, torch.func fallback and naive loop agree
 with the definition, computed here independently, example by example."""
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ the valid replies alone (the same strategy, called on the valid subset) or, when
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +19,20 @@ import torch
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
 from _fedfiot_helpers import FakeGrid
 from _fuzz_replies import CORRUPTIONS, Sent, TinyBN, TinyMLP, corrupt, corrupted_round, honest_upload, mark_duplicates
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedfiot_flwr import FedFiOT, FedFiOTLegacy, SweepGrid
-from fedfiot_flwr.legacy import reply_to_ndarrays
+from fedfiot_flwr import FedFiOT, FedFiOTConfig, FedFiOTLegacy, SweepGrid
+from fedfiot_flwr.wire import reply_to_ndarrays
 
 MODELS = {"mlp": TinyMLP, "bn": TinyBN}
 CONFIGS = {
-    "paper": {"preset": "paper", "baseline": False, "max_iters": 2},
-    "default": {"preset": "default", "max_iters": 2},
-    "euclidean-size": {"preset": None, "matching": "euclidean", "aggregation": "size", "reference": "broadcast",
-                       "fisher_scaling": "normalized", "baseline": False, "max_iters": 2},
+    "paper": {"config": FedFiOTConfig.paper(max_iters=2, sweep=None), "fedavg_baseline": False},
+    "default": {"config": FedFiOTConfig.default(max_iters=2)},
+    "euclidean-size": {"config": FedFiOTConfig(matching="euclidean", aggregation="size", reference="broadcast",
+                                               fisher_scaling="normalized", max_iters=2), "fedavg_baseline": False},
 }
 SETS_PER_STRATEGY = 150  # x 2 models x 3 configs = 900 Message-API reply sets (+ 150 legacy + 20 sweep)
 LEGACY_SETS = 150
@@ -44,8 +43,7 @@ def make_strategy(model_name: str, config: dict, results: Path, **extra: object)
     """A strategy that has broadcast its model to nodes 1..5 (as a real round does)."""
     torch.manual_seed(0)
     model = MODELS[model_name]()
-    strategy = FedFiOT(model=model, min_train_nodes=2, min_available_nodes=2, results_path=results,
-                       **config, **extra)  # type: ignore[arg-type]
+    strategy = FedFiOT(model=model, min_train_nodes=2, min_available_nodes=2, **config, **extra)  # type: ignore[arg-type]
     strategy.configure_train(1, ArrayRecord(model.state_dict()), ConfigRecord(), FakeGrid(range(1, 6), None))
     return strategy
 
@@ -62,8 +60,9 @@ def check_round(strategy: FedFiOT, sent: list[Sent], results: Path) -> None:
         with pytest.raises(RuntimeError, match=TOO_FEW):
             strategy.aggregate_train(1, [s.message() for s in sent])
         return
-    arrays, metrics = strategy.aggregate_train(1, [s.message() for s in sent])
-    rejected = json.loads(results.read_text())["rounds"][0]["rejected"]
+    arrays, _ = strategy.aggregate_train(1, [s.message() for s in sent])
+    rejected = strategy.reports[-1]["rejected"]
+    metrics = strategy.server_metrics[1]
     assert sorted(int(r["client"]) for r in rejected) == sorted(s.node for s in sent if not s.valid), labels
     assert all(r["reason"] for r in rejected)
     assert metrics["num-valid"] == len(valid) and metrics["num-rejected"] == len(sent) - len(valid), labels
@@ -94,13 +93,13 @@ def test_fuzzed_replies_merge_exactly_the_valid_ones(model_name: str, config: st
 
 
 def test_fuzzed_replies_with_a_validation_sweep(tmp_path: Path) -> None:
-    def validate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        w = arrays["fc1.weight"].numpy()
-        return MetricRecord({"accuracy": -float(np.sum(w**2))})
+    def validate(model: dict[str, np.ndarray]) -> dict[str, float]:
+        return {"accuracy": -float(np.sum(model["fc1.weight"] ** 2))}
 
     results = tmp_path / "results.json"
     grid = SweepGrid(rhos=(0.5, 1.0), lams=(1e-4,), references=("largest",), fisher_scalings=("none", "size"))
-    strategy = make_strategy("bn", {"preset": "default", "max_iters": 2}, results, validate_fn=validate, sweep=grid)
+    config = {"config": FedFiOTConfig.default(max_iters=2, sweep=grid)}
+    strategy = make_strategy("bn", config, results, validate_fn=validate)
     rng = np.random.default_rng(23)
     for _ in range(20):
         check_round(strategy, corrupted_round(TinyBN(), rng), results)
@@ -127,7 +126,8 @@ def test_fuzzed_fitres_merge_exactly_the_valid_ones() -> None:
     torch.manual_seed(0)
     model = TinyBN()
     names = list(model.state_dict())
-    strategy = FedFiOTLegacy(model=model, min_fit_clients=2, preset="paper", baseline=False, max_iters=2)
+    strategy = FedFiOTLegacy(model=model, min_fit_clients=2, config=FedFiOTConfig.paper(max_iters=2, sweep=None),
+                             fedavg_baseline=False)
     rng = np.random.default_rng(29)
     for _ in range(LEGACY_SETS):
         drawn = corrupted_round(TinyBN(), rng)
@@ -140,7 +140,8 @@ def test_fuzzed_fitres_merge_exactly_the_valid_ones() -> None:
             with pytest.raises(RuntimeError, match=TOO_FEW):
                 strategy.aggregate_fit(1, results, failures)
             continue
-        params, metrics = strategy.aggregate_fit(1, results, failures)
+        params, _ = strategy.aggregate_fit(1, results, failures)
+        metrics = strategy.server_metrics[1]
         expected, _ = strategy.aggregate_fit(1, [(Proxy(str(s.node)), _fitres(s, reference=True)) for s in valid], [])
         assert metrics["num-valid"] == len(valid) and metrics["num-rejected"] == len(sent) - len(valid)
         for name, got, want in zip(names, parameters_to_ndarrays(params), parameters_to_ndarrays(expected)):
@@ -181,12 +182,3 @@ def test_any_mix_of_corruptions_merges_exactly_the_valid_replies(
         else:
             sent.append(corrupt(label, up, rng, node))
     check_round(strategy, mark_duplicates(sent), results)
-
-
-def test_reply_limits_examples_hold() -> None:
-    import doctest
-
-    import fedfiot_flwr.reply_limits as limits
-
-    result = doctest.testmod(limits, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0

@@ -1,9 +1,7 @@
-"""The legacy-API twin (``flwr.server.strategy``): ``aggregate_fit`` over ``FitRes`` shares the
-Message-API strategy's unpacking, validation, exclusion and merge."""
+"""The legacy-API twin (``flwr.server.strategy``): ``aggregate_fit`` over ``FitRes`` runs the
+Message-API strategy's round (decoding, validation, exclusion, aggregator)."""
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
@@ -12,11 +10,13 @@ from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
 from _fedfiot_helpers import SHAPES, SPEC, client_uploads, packed, reply
 from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
-from fedfiot_flwr import FedFiOT, FedFiOTLegacy
-from fedfiot_flwr.client import train_and_pack, unpack_reply
-from fedfiot_flwr.legacy import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
+from fedfiot_flwr import FedFiOT, FedFiOTConfig, FedFiOTLegacy
+from fedfiot_flwr.client import train_and_pack
 from fedfiot_flwr.merge import merge
-from fedfiot_flwr.strategy import arrays_to_numpy
+from fedfiot_flwr.server.shell import arrays_to_numpy
+from fedfiot_flwr.wire import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays, unpack_reply
+
+PAPER_ONCE = FedFiOTConfig.paper(sweep=None)
 
 NAMES = list(SHAPES)
 
@@ -56,7 +56,7 @@ def test_payload_round_trip_keeps_the_reply() -> None:
         fitres_to_reply(FitRes(Status(Code.FIT_NOT_IMPLEMENTED, "no"), Parameters([], ""), 0, {}), "c2")
 
 
-def test_aggregate_fit_matches_message_api_and_excludes_broken_fitres(tmp_path) -> None:
+def test_aggregate_fit_matches_message_api_and_excludes_broken_fitres() -> None:
     from _fedfiot_helpers import corrupt_missing_fisher, corrupt_nan_fisher
 
     uploads = client_uploads(4, seed=7)
@@ -75,8 +75,8 @@ def test_aggregate_fit_matches_message_api_and_excludes_broken_fitres(tmp_path) 
     failures = [RuntimeError("connection lost"),
                 (Proxy("status"), FitRes(Status(Code.FIT_NOT_IMPLEMENTED, "nope"), Parameters([], ""), 0, {}))]
     broadcast = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    legacy = FedFiOTLegacy(spec=SPEC, names=NAMES, baseline=False, results_path=tmp_path / "r.json", num_rounds=1,
-                           checkpoint_dir=tmp_path / "ckpt", fisher_cap=0)  # Fishers as uploaded
+    legacy = FedFiOTLegacy(spec=SPEC, names=NAMES, config=PAPER_ONCE, fedavg_baseline=False,
+                           fit_metrics_aggregation_fn=lambda pairs: {"clients": len(pairs)})
     legacy._broadcast = broadcast
     params, metrics = legacy.aggregate_fit(1, results, failures)
     got = _to_dict(params)
@@ -87,19 +87,18 @@ def test_aggregate_fit_matches_message_api_and_excludes_broken_fitres(tmp_path) 
         np.testing.assert_allclose(got[k], expected.model[k], rtol=1e-6, atol=1e-7)
 
     # same answer as the Message-API strategy on the same contents
-    message_api = FedFiOT(spec=SPEC, baseline=False, fisher_cap=0)
+    message_api = FedFiOT(spec=SPEC, config=PAPER_ONCE, fedavg_baseline=False)
     arrays, _ = message_api.aggregate_train(1, [reply(i + 1, c) for i, c in enumerate(contents)])
     for k, v in arrays_to_numpy(arrays).items():
         np.testing.assert_array_equal(got[k], v)
 
-    assert metrics["num-valid"] == 3 and metrics["num-rejected"] == 6
-    assert all(not isinstance(v, list) for v in metrics.values())  # legacy metrics are scalars
-    data = json.loads((tmp_path / "r.json").read_text())
-    reasons = {r["client"]: r["reason"] for r in data["rounds"][0]["rejected"]}
+    assert metrics == {"clients": 3}  # the user's fit_metrics_aggregation_fn, as in FedAvg
+    server = legacy.server_metrics[1]
+    assert server["num-valid"] == 3 and server["num-rejected"] == 6
+    reasons = {r["client"]: r["reason"] for r in legacy.reports[0]["rejected"]}
     assert {"nan", "shape", "nofisher", "garbage", "status", "?"} <= set(reasons)
     assert "fc1.weight" in reasons["nan"] and "fc2.weight" in reasons["shape"] and "fc2.bias" in reasons["nofisher"]
     assert "connection lost" in reasons["?"] and "nope" in reasons["status"]
-    assert data["status"] == "finished" and (tmp_path / "ckpt" / "final.pt").exists()
 
 
 def test_legacy_twin_on_a_tiny_torch_model_with_selection() -> None:
@@ -123,21 +122,22 @@ def test_legacy_twin_on_a_tiny_torch_model_with_selection() -> None:
 
     calls = []
 
-    def validate_fn(server_round, ndarrays, config):
-        assert [a.shape for a in ndarrays] == [t.shape for t in global_model.state_dict().values()]
+    def validate_fn(model):
+        assert list(model) == names
         m = make()
-        m.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in zip(names, ndarrays)})
+        m.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in model.items()})
         with torch.no_grad():
             logits = m(x)
         acc = float((logits.argmax(1) == y).float().mean())
         calls.append(acc)
-        return float(torch.nn.functional.cross_entropy(logits, y)), {"accuracy": acc}
+        return {"accuracy": acc, "loss": float(torch.nn.functional.cross_entropy(logits, y))}
 
-    legacy = FedFiOTLegacy(model=global_model, validate_fn=validate_fn, sweep=True, min_fit_clients=3, preset="paper")
+    legacy = FedFiOTLegacy(model=global_model, validate_fn=validate_fn, min_fit_clients=3, config=FedFiOTConfig.paper())
     init = ndarrays_to_parameters([v.numpy() for v in global_model.state_dict().values()])
     legacy.initial_parameters = init
-    params, metrics = legacy.aggregate_fit(1, results, [])
+    params, _ = legacy.aggregate_fit(1, results, [])
     assert len(parameters_to_ndarrays(params)) == len(names)
-    assert metrics["num-trials"] == 18  # the paper's 6 x 3 grid, "broadcast" skipped in round 1
-    assert metrics["val-accuracy"] == pytest.approx(max(calls[:18]))
-    assert "fedavg-val-accuracy" in metrics and isinstance(metrics["fraction-permuted"], str)
+    server = legacy.server_metrics[1]
+    assert server["num-trials"] == 18  # the paper's 6 x 3 grid, "broadcast" skipped in round 1
+    assert server["val-accuracy"] == pytest.approx(max(calls[:18]))
+    assert "fedavg-val-accuracy" in server and isinstance(server["alignment-moved-fraction"], list)

@@ -159,8 +159,8 @@ def test_merge_engine_imports_and_runs_without_torch():
 
 
 def test_sweep_validates_each_distinct_model_once_and_chooses_as_separate_merges():
-    from fedfiot_flwr.selection import Candidate, SweepGrid, merge_round, model_digest
-    from fedfiot_flwr.strategy_utils import CollectedUploads
+    from fedfiot_flwr.server.selection import Candidate, SweepGrid, merge_round, model_digest
+    from fedfiot_flwr.server.uploads import CollectedUploads
 
     models, fishers = _clients(seed=6, shared=3.0)
     uploads = CollectedUploads(weights=models, fishers=fishers, num_examples=SIZES, client_ids=list("abcd"),

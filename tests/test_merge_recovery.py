@@ -10,6 +10,14 @@ from torch.func import functional_call, grad, vmap
 from fedfiot_flwr.merge import apply_permutations, merge, spec_from_module
 
 
+@pytest.fixture(scope="module")
+def trained():
+    """One trained MLP and its Fisher for every case of this module (training dominates the cost)."""
+    model, x, y = trained_mlp()
+    base = {k: v.detach().numpy().astype(np.float64) for k, v in model.state_dict().items()}
+    return model, x, y, empirical_fisher(model, x, y), base
+
+
 def trained_mlp():
     torch.manual_seed(0)
     x, y = load_digits(return_X_y=True)
@@ -41,10 +49,8 @@ def accuracy(model, state, x, y):
 
 
 @pytest.mark.parametrize("matching", ["fisher", "euclidean"])
-def test_permuted_copies_are_recovered(matching):
-    model, x, y = trained_mlp()
-    base = {k: v.detach().numpy().astype(np.float64) for k, v in model.state_dict().items()}
-    fisher = empirical_fisher(model, x, y)
+def test_permuted_copies_are_recovered(matching, trained):
+    model, x, y, fisher, base = trained  # ``accuracy`` loads states into ``model``: read weights from ``base``
     spec = spec_from_module(model)
     base_acc = accuracy(model, base, x, y)
     assert base_acc > 0.95

@@ -1,4 +1,4 @@
-"""The worked example of the paper's Appendix G (SPEC.md), exactly."""
+"""The worked example of the paper's Appendix G, exactly."""
 
 import numpy as np
 import pytest

@@ -23,7 +23,7 @@ from fedfiot_flwr.batchnorm import batchnorm_recalibration, recompute_batchnorm_
 from fedfiot_flwr.client import pack_reply
 from fedfiot_flwr.merge import apply_permutations, merge, spec_from_module
 from fedfiot_flwr.models import ResNet20
-from fedfiot_flwr.strategy import arrays_to_numpy
+from fedfiot_flwr.server.shell import arrays_to_numpy
 
 
 class LayerNormMLP(nn.Module):
@@ -239,11 +239,11 @@ def test_three_rounds_on_a_batchnorm_model_keep_every_buffer_and_recalibrate() -
         fisher = {n: p.grad.detach() ** 2 + 1e-3 for n, p in local.named_parameters()}
         return Message(content=pack_reply(local.state_dict(), fisher, 8 + node), reply_to=msg)
 
-    strategy = FedFiOT(model=model, min_train_nodes=3, min_available_nodes=3, baseline=False,
-                       bn_recalibration=hook)
+    strategy = FedFiOT(model=model, min_train_nodes=3, min_available_nodes=3, fedavg_baseline=False,
+                       fraction_evaluate=0.0, bn_recalibration=hook)
     result = strategy.start(grid=FakeGrid([1, 2, 3], client_fn), initial_arrays=ArrayRecord(init), num_rounds=3)
-    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
-    for metrics in result.train_metrics_clientapp.values():
+    assert sorted(strategy.server_metrics) == [1, 2, 3]
+    for metrics in strategy.server_metrics.values():
         assert metrics["num-valid"] == 3 and metrics["num-rejected"] == 0
     assert len(received) == 9
     for arrays in received:  # every broadcast keeps each buffer's shape and dtype (0-d counters too)

@@ -23,8 +23,7 @@ def _arrays() -> ArrayRecord:
 
 def test_sampling_goes_on_with_the_nodes_left_after_the_wait(tmp_path: Path) -> None:
     grid = FakeGrid([11, 12, 13], None)
-    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_available_nodes=3, min_valid_replies=2,
-                       node_wait_s=0.2, results_path=tmp_path / "r.json")
+    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_available_nodes=3, min_valid_replies=2, node_wait_s=0.2)
     strategy._node_waiter.poll_s = 0.02
     first = list(strategy.configure_train(1, _arrays(), ConfigRecord(), grid))
     assert sorted(m.metadata.dst_node_id for m in first) == [11, 12, 13]
@@ -32,8 +31,7 @@ def test_sampling_goes_on_with_the_nodes_left_after_the_wait(tmp_path: Path) -> 
     second = list(strategy.configure_train(2, _arrays(), ConfigRecord(), grid))
     assert sorted(m.metadata.dst_node_id for m in second) == [11, 13]
     assert strategy.min_available_nodes == 3 and strategy.min_train_nodes == 3  # restored for later rounds
-    rounds = json.loads((tmp_path / "r.json").read_text())["rounds"]
-    assert rounds[-1]["round"] == 2 and rounds[-1]["unavailable_nodes"] == [12]
+    assert strategy.unavailable_nodes == {2: [12]}
     grid.node_ids = [11]
     with pytest.raises(RuntimeError, match=r"round 3: only 1 nodes connected .* at least 2 needed"):
         strategy.configure_train(3, _arrays(), ConfigRecord(), grid)

@@ -7,10 +7,10 @@ import pytest
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
 from _fedfiot_helpers import SHAPES, SPEC, client_uploads, packed, reply
 
-from fedfiot_flwr import FedFiOT
+from fedfiot_flwr import FedFiOT, FedFiOTConfig
 from fedfiot_flwr.merge import merge
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, cap_factors, cap_fishers, weight_shares
-from fedfiot_flwr.strategy import arrays_to_numpy
+from fedfiot_flwr.server.shell import arrays_to_numpy
 
 K = 6
 
@@ -83,8 +83,8 @@ def test_the_default_preset_caps_and_the_paper_preset_does_not() -> None:
     attack_msgs = [reply(i + 1, packed(w, f, n)) for i, (w, f, n) in enumerate(inflated)]
     results = {}
     for preset in ("default", "paper"):
-        strategy = FedFiOT(spec=SPEC, preset=preset, baseline=False, max_iters=2)
-        assert strategy.core_config()["fisher_cap"] == (DEFAULT_FISHER_CAP if preset == "default" else None)
+        strategy = FedFiOT(spec=SPEC, config=FedFiOTConfig.named(preset, max_iters=2), fedavg_baseline=False)
+        assert strategy.fedfiot_config.fisher_cap == (DEFAULT_FISHER_CAP if preset == "default" else None)
         honest = arrays_to_numpy(strategy.aggregate_train(1, honest_msgs)[0])
         attacked = arrays_to_numpy(strategy.aggregate_train(1, attack_msgs)[0])
         results[preset] = _distance(attacked, honest)
@@ -93,8 +93,8 @@ def test_the_default_preset_caps_and_the_paper_preset_does_not() -> None:
 
 def test_strategy_refuses_a_cap_below_one_and_zero_turns_it_off() -> None:
     with pytest.raises(ValueError, match="fisher_cap"):
-        FedFiOT(spec=SPEC, fisher_cap=0.5)
-    assert FedFiOT(spec=SPEC, fisher_cap=0).core_config()["fisher_cap"] is None
+        FedFiOTConfig.default(fisher_cap=0.5)
+    assert FedFiOT(spec=SPEC, config=FedFiOTConfig.default(fisher_cap=0)).fedfiot_config.fisher_cap is None
 
 
 def test_robust_module_examples_hold() -> None:

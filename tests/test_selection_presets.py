@@ -1,14 +1,15 @@
-"""Issue 8: validation-based choice among the aligned merge, the identity merge and FedAvg."""
+"""Validation-based choice among the aligned merge, the identity merge and FedAvg of the same uploads."""
 
 import numpy as np
 import pytest
 
 from fedfiot_flwr.merge import PermutationSpec, merge
-from fedfiot_flwr.selection import PRESETS, Candidate, merge_round
-from fedfiot_flwr.strategy_utils import CollectedUploads
+from fedfiot_flwr.server.config import FedFiOTConfig
+from fedfiot_flwr.server.selection import Candidate, merge_round
+from fedfiot_flwr.server.uploads import CollectedUploads
 
 SPEC = PermutationSpec({"w": ("P0", None)})
-# The worked example (SPEC.md, Appendix G): aligned J = 9 < identity J = 83.
+# The worked example of the paper's Appendix G: aligned J = 9 < identity J = 83.
 UPLOADS = CollectedUploads(
     client_ids=["a", "b"],
     weights=[{"w": np.array([[0.0], [4.0], [8.0]])}, {"w": np.array([[10.0], [2.0], [6.0]])}],
@@ -64,23 +65,16 @@ def test_fedavg_candidate_loses_when_fedfiot_validates_better():
     assert out.baseline_validation is not None  # FedAvg was computed and validated
 
 
-def test_presets():
-    assert PRESETS["paper"] == {"fallback": "objective", "fisher_scalings": ("none",), "fedavg_candidate": False,
-                                "fisher_cap": None}
-    assert PRESETS["default"]["fedavg_candidate"] and PRESETS["default"]["fallback"] == "validation"
-    assert PRESETS["default"]["fisher_cap"] is not None and PRESETS["default"]["fisher_cap"] >= 1
-
-
-def test_strategy_preset_wiring():
+def test_the_strategy_runs_its_configuration_or_the_paper_rule_without_validation():
     from fedfiot_flwr import FedFiOT
 
-    paper = FedFiOT(spec=SPEC, preset="paper", sweep=True)
-    assert paper.fallback == "objective" and not paper.fedavg_candidate
-    assert paper.sweep.fisher_scalings == ("none",)
-    default = FedFiOT(spec=SPEC, sweep=True)
-    assert default.fallback == "validation" and default.fedavg_candidate
-    assert default.sweep.fisher_scalings == ("none", "size")
-    explicit = FedFiOT(spec=SPEC, fallback="none", fedavg_candidate=False)
-    assert explicit.fallback == "none" and not explicit.fedavg_candidate
-    with pytest.raises(ValueError, match="preset"):
-        FedFiOT(spec=SPEC, preset="best")
+    with_val = FedFiOT(spec=SPEC, validate_fn=closest_to(IDENTITY), config=FedFiOTConfig.default())
+    assert with_val.fedfiot_config == FedFiOTConfig.default()
+    assert with_val.fedfiot_config.sweep.fisher_scalings == ("none", "size")
+    without = FedFiOT(spec=SPEC, config=FedFiOTConfig.default(rho=0.3))
+    assert (without.fedfiot_config.selection, without.fedfiot_config.sweep) == ("objective", None)
+    assert not without.fedfiot_config.fedavg_candidate and without.fedfiot_config.rho == 0.3
+    paper = FedFiOT(spec=SPEC, validate_fn=closest_to(IDENTITY), config=FedFiOTConfig.paper())
+    assert paper.fedfiot_config.selection == "objective" and paper.fedfiot_config.sweep.fisher_scalings == ("none",)
+    with pytest.raises(ValueError, match="configuration"):
+        FedFiOTConfig.named("best")

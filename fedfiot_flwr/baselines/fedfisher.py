@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
-from fedfiot_flwr.curvature import KFACFactors, layer_matrix
+from fedfiot_flwr.psd import KFACFactors, layer_matrix
 
 __all__ = [
     "OPTIMIZERS",

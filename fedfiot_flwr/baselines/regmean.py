@@ -35,7 +35,7 @@ import numpy as np
 import scipy.linalg
 
 from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
-from fedfiot_flwr.curvature import InputGram, layer_matrix
+from fedfiot_flwr.psd import InputGram, layer_matrix
 
 __all__ = ["REGMEAN_ALPHAS", "RegMeanResult", "regmean_merge", "regmean_select", "scale_off_diagonal"]
 

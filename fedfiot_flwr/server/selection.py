@@ -15,13 +15,15 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge, prepare_clients
-from .merge.robust import DEFAULT_FISHER_CAP, cap_fishers
-from .strategy_utils import CollectedUploads
+from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge, prepare_clients
+from fedfiot_flwr.merge.robust import cap_fishers
+
+if TYPE_CHECKING:  # the uploads container; kept out of the import graph so this stays Flower-free
+    from fedfiot_flwr.server.uploads import CollectedUploads
 
 logger = logging.getLogger("fedfiot_flwr")
 
@@ -30,18 +32,6 @@ FALLBACKS = ("objective", "validation", "none")
 
 Model = dict[str, np.ndarray]
 ValidateFn = Callable[[Model], Mapping[str, float] | None]
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # The paper: objective-based identity fallback, the per-example mean Fisher of eq. 106.
-    "paper": {"fallback": "objective", "fisher_scalings": ("none",), "fedavg_candidate": False, "fisher_cap": None},
-    # This project's default (issue 8): choose on validation between the aligned merge, the
-    # identity merge and FedAvg of the same uploads, and let the sweep also try the Fisher scaled
-    # by client size; FedFiOT's own merge is always reported next to a FedAvg win. No client's
-    # Fisher may exceed DEFAULT_FISHER_CAP times the clients' median (merge/robust.py).
-    "default": {"fallback": "validation", "fisher_scalings": ("none", "size"), "fedavg_candidate": True,
-                "fisher_cap": DEFAULT_FISHER_CAP},
-}
 
 
 @dataclass(frozen=True)

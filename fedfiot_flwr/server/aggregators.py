@@ -1,0 +1,407 @@
+"""Framework-neutral aggregators: what each method does with one round's decoded uploads.
+
+An :class:`Aggregator` names the reply it needs (``reply_kind``, see
+:func:`fedfiot_flwr.wire.decode_reply`) and turns :class:`~fedfiot_flwr.server.uploads.CollectedUploads`
+into an :class:`AggregateOutcome`. The Flower strategies (:mod:`fedfiot_flwr.server.shell`,
+:mod:`fedfiot_flwr.server.legacy`) do the sampling, decoding and bookkeeping around it; the merge
+maths lives below (:mod:`fedfiot_flwr.merge`, :mod:`fedfiot_flwr.baselines`).
+
+- :class:`FedFiOTAggregator`: Fisher-weighted alignment and merging, with the selection of
+  :class:`~fedfiot_flwr.server.config.FedFiOTConfig`;
+- :class:`FedFisherAggregator`: FedFisher with K-FAC or diagonal Fishers;
+- :class:`RegMeanAggregator`: RegMean over a list of off-diagonal scalings;
+- :class:`FedAvgAggregator`: FedAvg of the same uploads (the reference every method is compared to).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from fedfiot_flwr.baselines.averaging import size_weighted_average
+from fedfiot_flwr.merge import PermutationSpec
+from fedfiot_flwr.server.config import FedFiOTConfig
+from fedfiot_flwr.server.selection import Candidate, merge_round
+from fedfiot_flwr.server.uploads import CollectedUploads
+
+__all__ = [
+    "AggregateOutcome",
+    "Aggregator",
+    "FedAvgAggregator",
+    "FedFiOTAggregator",
+    "FedFisherAggregator",
+    "RegMeanAggregator",
+    "RoundContext",
+]
+
+Model = dict[str, np.ndarray]
+Validate = Callable[[Model], Mapping[str, float] | None]
+
+FEDFISHER_VARIANTS = ("kfac", "diag")
+FISHER_KINDS = ("true", "empirical")
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What an aggregator may use besides the uploads.
+
+    Attributes
+    ----------
+    server_round : int
+        Current round (1-based).
+    broadcast : dict or None
+        The global model sent this round.
+    buffers : tuple of str
+        State-dict entries without a Fisher.
+    validate : callable or None
+        ``model dict -> metrics`` on the server's validation data.
+    """
+
+    server_round: int
+    broadcast: Model | None = None
+    buffers: tuple[str, ...] = ()
+    validate: Validate | None = None
+
+
+@dataclass
+class AggregateOutcome:
+    """What an aggregator returns.
+
+    Attributes
+    ----------
+    model : dict[str, np.ndarray]
+        The new global model.
+    chosen : dict
+        The knobs selection settled on (JSON-ready).
+    metrics : dict
+        Server-side diagnostics: numbers and lists of numbers (a MetricRecord's values).
+    record : dict
+        Further JSON-ready details for the results file.
+    validation : dict[str, float] or None
+        Validation metrics of ``model`` when the aggregator computed them.
+    alternatives : dict[str, dict[str, np.ndarray]]
+        Other models worth evaluating next to ``model`` (``"fedavg"``: FedAvg of the same uploads;
+        ``"fedfiot-own"``: FedFiOT's own merge when FedAvg won the validation choice).
+    alternative_validation : dict[str, dict[str, float]]
+        Validation metrics of the alternatives, where computed.
+    seconds : float
+        Wall time of the aggregation including selection.
+    """
+
+    model: Model
+    chosen: dict[str, Any]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
+    validation: dict[str, float] | None = None
+    alternatives: dict[str, Model] = field(default_factory=dict)
+    alternative_validation: dict[str, dict[str, float]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class Aggregator(Protocol):
+    """A server-side merge method the strategy shell can run."""
+
+    label: str
+    reply_kind: str
+    fisher_kind: str | None
+
+    def config(self) -> dict[str, Any]:
+        """JSON-ready configuration (logged and recorded)."""
+        ...
+
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+        """Merge the round's valid uploads (at least one)."""
+        ...
+
+
+def _scalars(metrics: Mapping[str, Any] | None) -> dict[str, float] | None:
+    if metrics is None:
+        return None
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
+
+
+def _score_fn(validate: Validate | None, metric: str) -> Callable[[Model], float] | None:
+    """``model -> score`` (higher is better) from a ``validate`` function, or None."""
+    if validate is None:
+        return None
+    sign = -1.0 if "loss" in metric else 1.0
+
+    def score(model: Model) -> float:
+        res = _scalars(validate(model))
+        return float("nan") if not res or metric not in res else sign * res[metric]
+
+    return score
+
+
+# ------------------------------------------------------------------------------------ FedFiOT
+
+
+class FedFiOTAggregator:
+    """FedFiOT: layer-wise Fisher-weighted alignment and merging (:func:`fedfiot_flwr.merge.merge`).
+
+    Parameters
+    ----------
+    spec : PermutationSpec
+        Which axes of which tensors move together.
+    config : FedFiOTConfig
+        Merge options and selection (already resolved for the presence of validation data).
+    """
+
+    label = "FedFiOT"
+    reply_kind = "fisher"
+    fisher_kind: str | None = None
+
+    def __init__(self, spec: PermutationSpec, config: FedFiOTConfig) -> None:
+        self.spec = spec
+        self.settings = config
+
+    def config(self) -> dict[str, Any]:
+        """The FedFiOT configuration."""
+        return self.settings.as_dict()
+
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+        """Merge (and select on validation data when the configuration asks for it)."""
+        cfg = self.settings
+        validate = context.validate
+        outcome = merge_round(
+            uploads,
+            self.spec,
+            Candidate(float(cfg.rho), float(cfg.lam), cfg.reference, cfg.fisher_scaling),
+            max_iters=cfg.max_iters,
+            matching=cfg.matching,
+            aggregation=cfg.aggregation,
+            fallback=cfg.selection,
+            buffers=context.buffers,
+            broadcast=context.broadcast,
+            server_round=context.server_round,
+            sweep=cfg.sweep if validate is not None else None,
+            validate=validate,
+            metric=cfg.selection_metric,
+            baseline=cfg.fedavg_candidate and validate is not None,
+            fedavg_candidate=cfg.fedavg_candidate,
+            fisher_cap=cfg.fisher_cap,
+        )
+        res, cand = outcome.result, outcome.candidate
+        iters = [int(r.iterations) for r in res.reports.values()]
+        moved = [float(x) for x in res.fraction_permuted]
+        fedavg_won = outcome.variant == "fedavg"
+        metrics: dict[str, Any] = {
+            "objective-aligned": float(res.aligned_objective),
+            "objective-identity": float(res.identity_objective),
+            "kept-aligned": int(outcome.variant == "aligned"),
+            "fedavg-won": int(fedavg_won),
+            "alignment-moved-fraction": moved,
+            "inner-iterations": iters,
+            "rho": float(cand.rho),
+            "lam": float(cand.lam),
+            "merge-seconds": float(res.seconds),
+            "num-trials": len(outcome.trials),
+        }
+        record = {
+            "objective_aligned": res.aligned_objective,
+            "objective_identity": res.identity_objective,
+            "kept": outcome.variant,
+            "fedavg_won": fedavg_won,
+            "own_variant": outcome.own_variant,
+            "own_validation": outcome.own_validation,
+            "inner_iterations": {p: r.iterations for p, r in res.reports.items()},
+            "alignment_moved_fraction": dict(zip(uploads.client_ids, moved)),
+            "num_trials": len(outcome.trials),
+            "trials": outcome.trials,
+        }
+        alternatives: dict[str, Model] = {}
+        alt_val: dict[str, dict[str, float]] = {}
+        if outcome.baseline_model is not None:
+            alternatives["fedavg"] = outcome.baseline_model
+            if outcome.baseline_validation is not None:
+                alt_val["fedavg"] = dict(outcome.baseline_validation)
+        if fedavg_won and outcome.own_model is not None:
+            alternatives["fedfiot-own"] = outcome.own_model
+            if outcome.own_validation is not None:
+                alt_val["fedfiot-own"] = dict(outcome.own_validation)
+        chosen = {"rho": cand.rho, "lam": cand.lam, "reference": cand.reference,
+                  "fisher_scaling": cand.fisher_scaling, "variant": outcome.variant}
+        return AggregateOutcome(outcome.model, chosen, metrics, record, outcome.validation, alternatives, alt_val,
+                                outcome.seconds)
+
+
+def describe_fedfiot_choice(chosen: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
+    """One log line about what the merge kept, e.g. ``kept the aligned merge (alignment moved 12% of neurons)``."""
+    moved = 100 * float(np.mean(metrics.get("alignment-moved-fraction") or [0.0]))
+    variant = chosen.get("variant")
+    if variant == "aligned":
+        return f"kept the aligned merge (alignment moved {moved:.0f}% of neurons)"
+    if variant == "identity":
+        return f"kept the identity merge, no alignment (the discarded alignment would have moved {moved:.0f}% of neurons)"
+    return "kept FedAvg of the same uploads (it validated best; FedFiOT's own merge is reported next to it)"
+
+
+# ----------------------------------------------------------------------------------- FedAvg
+
+
+class FedAvgAggregator:
+    """FedAvg (example-weighted mean of the weights) of the same uploads any strategy receives."""
+
+    label = "FedAvg"
+    reply_kind = "weights"
+    fisher_kind: str | None = None
+
+    def config(self) -> dict[str, Any]:
+        """No options."""
+        return {"method": "fedavg"}
+
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+        """``sum_k n_k W_k / sum_k n_k``."""
+        return AggregateOutcome(size_weighted_average(uploads.weights, uploads.num_examples), {"method": "fedavg"})
+
+
+# -------------------------------------------------------------------------------- FedFisher
+
+
+class FedFisherAggregator:
+    """FedFisher: minimise the Fisher-weighted objective from the size-weighted average.
+
+    Parameters
+    ----------
+    variant : {"kfac", "diag"}
+        Kronecker-factored or diagonal Fishers.
+    steps, lr, eval_every : int, float, int
+        Optimisation steps, step size and checkpoint spacing.
+    optimizer : {"fedfisher", "adam"}
+        FedFisher's own update rule or ``torch.optim.Adam``.
+    fisher_scaling : {"size", "none"}
+        Client weights ``n_k / n`` or ``1 / K``.
+    damping : float
+        Added to every client's curvature.
+    fisher_kind : {"true", "empirical"}, optional
+        K-FAC replies declaring another kind are excluded.
+    selection_metric : str
+        Validation metric the best checkpoint is chosen on.
+    device : torch.device or str, optional
+        Where the optimisation runs.
+    """
+
+    def __init__(
+        self,
+        variant: str = "kfac",
+        *,
+        steps: int = 2000,
+        lr: float = 0.01,
+        eval_every: int = 100,
+        optimizer: str = "fedfisher",
+        fisher_scaling: str = "size",
+        damping: float = 0.0,
+        fisher_kind: str | None = None,
+        selection_metric: str = "accuracy",
+        device: Any = None,
+    ) -> None:
+        from fedfiot_flwr.baselines.fedfisher import OPTIMIZERS, _check_optim
+
+        if variant not in FEDFISHER_VARIANTS:
+            raise ValueError(f"FedFisher variant must be one of {FEDFISHER_VARIANTS}, got {variant!r}")
+        if fisher_kind is not None and fisher_kind not in FISHER_KINDS:
+            raise ValueError(f"fisher_kind must be one of {FISHER_KINDS} or None, got {fisher_kind!r}")
+        if fisher_scaling not in ("size", "none"):
+            raise ValueError(f"fisher_scaling must be 'size' or 'none', got {fisher_scaling!r}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        _check_optim(steps, lr, eval_every, damping, optimizer)
+        self.variant = variant
+        self.steps, self.lr, self.eval_every = int(steps), float(lr), int(eval_every)
+        self.optimizer, self.fisher_scaling, self.damping = optimizer, fisher_scaling, float(damping)
+        self.fisher_kind = fisher_kind
+        self.selection_metric = selection_metric
+        self.device = device
+        self.label = f"FedFisher ({'K-FAC' if variant == 'kfac' else 'diag'})"
+        self.reply_kind = "kfac" if variant == "kfac" else "fisher"
+
+    def config(self) -> dict[str, Any]:
+        """The FedFisher options."""
+        return {"method": "fedfisher", "variant": self.variant, "steps": self.steps, "lr": self.lr,
+                "eval_every": self.eval_every, "optimizer": self.optimizer, "fisher_scaling": self.fisher_scaling,
+                "damping": self.damping, "fisher_kind": self.fisher_kind, "selection_metric": self.selection_metric}
+
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+        """FedFisher on the valid uploads; the best checkpoint on validation (the last without)."""
+        from fedfiot_flwr.baselines.fedfisher import fedfisher_diag, fedfisher_kfac
+
+        common: dict[str, Any] = dict(
+            steps=self.steps, lr=self.lr, eval_every=self.eval_every,
+            evaluate=_score_fn(context.validate, self.selection_metric), fisher_scaling=self.fisher_scaling,
+            damping=self.damping, optimizer=self.optimizer, device=self.device, client_ids=uploads.client_ids,
+        )
+        extra: dict[str, Any] = {}
+        if self.variant == "kfac":
+            res = fedfisher_kfac(uploads.weights, uploads.factors, uploads.num_examples, **common)
+            kinds = sorted({str(k) for k in uploads.fisher_kinds})
+            kind: str | None = kinds[0] if len(kinds) == 1 else ",".join(kinds)
+            extra = {"curvature_bytes_per_client": uploads.curvature_bytes_per_client, "ranks": uploads.ranks}
+        else:
+            res = fedfisher_diag(uploads.weights, uploads.fishers, uploads.num_examples, **common)
+            kind = self.fisher_kind
+        chosen = {"variant": self.variant, "best_step": res.best_step, "steps": self.steps, "lr": self.lr,
+                  "optimizer": self.optimizer, "fisher_scaling": self.fisher_scaling}
+        record = {"fisher_kind": kind, "best_step": res.best_step, "best_score": res.best_score,
+                  "history": res.history, **extra}
+        metrics = {"best-step": float(res.best_step), "objective": float(res.history[-1]["objective"])}
+        return AggregateOutcome(res.model, chosen, metrics, record, seconds=res.seconds)
+
+
+# ---------------------------------------------------------------------------------- RegMean
+
+
+class RegMeanAggregator:
+    """RegMean: closed-form merge of the Linear layers from the clients' input Grams.
+
+    Parameters
+    ----------
+    alphas : sequence of float
+        Off-diagonal scalings to try; the best on validation is kept (the last without).
+    gram_scaling : {"size", "none"}
+        Grams times ``n_k`` or as sent.
+    rcond : float
+        Relative cut-off of the pseudo-inverse.
+    selection_metric : str
+        Validation metric to choose ``alpha`` on.
+    """
+
+    label = "RegMean"
+    reply_kind = "gram"
+    fisher_kind: str | None = None
+
+    def __init__(
+        self,
+        alphas: Sequence[float] | None = None,
+        *,
+        gram_scaling: str = "size",
+        rcond: float = 1e-10,
+        selection_metric: str = "accuracy",
+    ) -> None:
+        from fedfiot_flwr.baselines.regmean import REGMEAN_ALPHAS
+
+        self.alphas = tuple(float(a) for a in (REGMEAN_ALPHAS if alphas is None else alphas))
+        if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
+            raise ValueError(f"alphas must be a non-empty list of values in [0, 1], got {alphas!r}")
+        if gram_scaling not in ("size", "none"):
+            raise ValueError(f"gram_scaling must be 'size' or 'none', got {gram_scaling!r}")
+        self.gram_scaling, self.rcond = gram_scaling, float(rcond)
+        self.selection_metric = selection_metric
+
+    def config(self) -> dict[str, Any]:
+        """The RegMean options."""
+        return {"method": "regmean", "alphas": list(self.alphas), "gram_scaling": self.gram_scaling,
+                "rcond": self.rcond, "selection_metric": self.selection_metric}
+
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+        """RegMean for every alpha; the best on validation."""
+        from fedfiot_flwr.baselines.regmean import regmean_select
+
+        res = regmean_select(uploads.weights, uploads.grams, uploads.num_examples,
+                             _score_fn(context.validate, self.selection_metric), alphas=self.alphas,
+                             gram_scaling=self.gram_scaling, rcond=self.rcond, client_ids=uploads.client_ids)
+        record = {"alpha_scores": {f"{a:g}": s for a, s in res.scores.items()}, "merged_layers": res.merged_layers,
+                  "curvature_bytes_per_client": uploads.curvature_bytes_per_client, "ranks": uploads.ranks}
+        return AggregateOutcome(res.model, {"alpha": res.alpha}, {"alpha": res.alpha}, record, seconds=res.seconds)

@@ -1,0 +1,140 @@
+"""What FedFiOT does on the server, in one frozen object: :class:`FedFiOTConfig`.
+
+Two named configurations:
+
+- :meth:`FedFiOTConfig.paper`: the paper's algorithm. Fisher tempered with ``rho`` and damped with
+  ``lam``; the aligned merge is replaced by the identity merge only when alignment does not lower
+  the merge objective; with validation data, ``(rho, lam, reference)`` are chosen on it over the
+  paper's grid.
+- :meth:`FedFiOTConfig.default`: this project's default. With validation data it also keeps
+  whichever of the aligned merge, the identity merge and FedAvg of the same uploads validates
+  best, and tries the Fisher scaled by client size in the grid; FedFiOT's own merge is always
+  reported next to a FedAvg win, and no client's Fisher may exceed ``DEFAULT_FISHER_CAP`` times the
+  clients' median (robust weighting). Without validation data its merge rule is the paper's.
+
+Without a ``validate_fn`` every configuration merges once per round with its own ``(rho, lam,
+reference, fisher_scaling)`` and the paper's identity rule (:meth:`FedFiOTConfig.without_validation`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from fedfiot_flwr.merge import FISHER_SCALINGS
+from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
+from fedfiot_flwr.merge.validate import check_options
+from fedfiot_flwr.server.selection import FALLBACKS, REFERENCES, SweepGrid
+
+__all__ = ["FedFiOTConfig", "SELECTIONS"]
+
+SELECTIONS = FALLBACKS
+"""``"objective"`` (the paper's identity rule), ``"validation"`` (aligned vs identity [vs FedAvg] on
+validation data) or ``"none"`` (always the aligned merge)."""
+
+
+@dataclass(frozen=True)
+class FedFiOTConfig:
+    """FedFiOT's server-side options.
+
+    Attributes
+    ----------
+    name : str
+        ``"paper"``, ``"default"`` or ``"custom"``; logged and recorded.
+    rho, lam : float
+        Fisher tempering exponent in (0, 1] and damping (> 0): ``F**rho + lam``.
+    reference : str or int
+        Initial global model of the alignment: ``"largest"`` (client with most examples),
+        ``"broadcast"`` (this round's global model) or a client index in reply order.
+    fisher_scaling : {"none", "size", "normalized", "normalized-size"}
+        Per-client Fisher scaling (``"none"``: the paper).
+    max_iters : int
+        Inner iterations per layer.
+    matching : {"fisher", "euclidean", "none"}
+        Alignment cost (``"none"``: no alignment).
+    aggregation : {"fisher", "uniform", "size"}
+        How aligned neurons are combined.
+    selection : {"objective", "validation", "none"}
+        How the aligned and the identity merge are chosen between (see :data:`SELECTIONS`).
+    sweep : SweepGrid or None
+        Candidates tried on validation data (ignored without a ``validate_fn``).
+    fedavg_candidate : bool
+        Let FedAvg of the same uploads compete on validation data.
+    selection_metric : str
+        Validation metric to select on (maximised unless its name contains ``"loss"``).
+    fisher_cap : float or None
+        Robust weighting: no client's Fisher may exceed this factor (>= 1) times the clients'
+        median (:func:`fedfiot_flwr.merge.robust.cap_fishers`); ``None`` or 0: as uploaded.
+    """
+
+    name: str = "custom"
+    rho: float = 0.5
+    lam: float = 1e-4
+    reference: str | int = "largest"
+    fisher_scaling: str = "none"
+    max_iters: int = 8
+    matching: str = "fisher"
+    aggregation: str = "fisher"
+    selection: str = "objective"
+    sweep: SweepGrid | None = None
+    fedavg_candidate: bool = False
+    selection_metric: str = "accuracy"
+    fisher_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if not (isinstance(self.reference, int) or self.reference in REFERENCES):
+            raise ValueError(f"reference must be a client index or one of {REFERENCES}, got {self.reference!r}")
+        if self.fisher_scaling not in FISHER_SCALINGS:
+            raise ValueError(f"fisher_scaling must be one of {FISHER_SCALINGS}, got {self.fisher_scaling!r}")
+        if self.fisher_cap == 0:  # 0 turns the cap off, as None does
+            object.__setattr__(self, "fisher_cap", None)
+        if self.fisher_cap is not None and not self.fisher_cap >= 1:
+            raise ValueError(f"fisher_cap must be >= 1, or 0 / None for no cap, got {self.fisher_cap!r}")
+
+    @classmethod
+    def paper(cls, **changes: Any) -> FedFiOTConfig:
+        """The paper's algorithm (identity rule on the objective; the paper's grid on validation data)."""
+        return replace(cls(name="paper", selection="objective", sweep=SweepGrid()), **changes)
+
+    @classmethod
+    def default(cls, **changes: Any) -> FedFiOTConfig:
+        """This project's default: validation chooses among aligned, identity and FedAvg of the same uploads."""
+        base = cls(name="default", selection="validation", sweep=SweepGrid(fisher_scalings=("none", "size")),
+                   fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP)
+        return replace(base, **changes)
+
+    @classmethod
+    def named(cls, name: str, **changes: Any) -> FedFiOTConfig:
+        """``"paper"`` or ``"default"`` by name."""
+        if name not in ("paper", "default"):
+            raise ValueError(f"unknown FedFiOT configuration {name!r}; choose 'paper' or 'default'")
+        return cls.paper(**changes) if name == "paper" else cls.default(**changes)
+
+    def without_validation(self) -> FedFiOTConfig:
+        """What runs when the server has no validation data: one merge per round, the paper's identity rule."""
+        selection = "objective" if self.selection == "validation" else self.selection
+        return replace(self, selection=selection, sweep=None, fedavg_candidate=False)
+
+    def describe_without_validation(self) -> str | None:
+        """The one start-up notice for a run without ``validate_fn`` (``None`` when nothing changes)."""
+        dropped = []
+        if self.selection == "validation":
+            dropped.append("selection='validation' becomes the paper's identity rule (keep the aligned merge "
+                           "unless it does not lower the merge objective)")
+        if self.sweep is not None:
+            dropped.append(f"no sweep: every round merges with rho={self.rho:g}, lam={self.lam:g}, "
+                           f"reference={self.reference}, fisher_scaling={self.fisher_scaling}")
+        if self.fedavg_candidate:
+            dropped.append("FedAvg of the same uploads is not a candidate")
+        if not dropped:
+            return None
+        return f"FedFiOT config {self.name!r} without a validate_fn: " + "; ".join(dropped) + "."
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view."""
+        out = asdict(self)
+        out["sweep"] = None if self.sweep is None else {k: list(v) for k, v in asdict(self.sweep).items()}
+        return out

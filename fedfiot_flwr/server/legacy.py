@@ -1,0 +1,160 @@
+"""FedFiOT for projects on Flower's legacy strategy API (``flwr.server.strategy``).
+
+:class:`FedFiOTLegacy` is a ``flwr.server.strategy.FedAvg`` whose ``aggregate_fit`` runs the same
+:class:`~fedfiot_flwr.server.rounds.RoundMerger` and FedFiOT aggregator as the Message-API
+:class:`fedfiot_flwr.FedFiOT`. A ``NumPyClient`` returns the reply RecordDict inside its
+``FitRes`` as one ``uint8`` array::
+
+    content = fisher_reply(model, trainloader, metrics)
+    return reply_to_ndarrays(content), num_examples, {}
+
+(:func:`fedfiot_flwr.wire.reply_to_ndarrays`). Global parameters travel as usual: a list of arrays
+in ``model.state_dict()`` order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from logging import INFO
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import RecordDict
+from flwr.common import FitIns, FitRes, NDArrays, Parameters, Scalar, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import FedAvg
+from flwr.supercore import log
+
+from fedfiot_flwr.merge import PermutationSpec, spec_from_module
+from fedfiot_flwr.server.aggregators import FedFiOTAggregator
+from fedfiot_flwr.server.config import FedFiOTConfig
+from fedfiot_flwr.server.rounds import RoundMerger
+from fedfiot_flwr.server.shell import ValidateFn, buffers_of
+from fedfiot_flwr.server.strategies import resolve_config
+from fedfiot_flwr.server.uploads import DUPLICATE_REASON
+from fedfiot_flwr.wire import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FedFiOTLegacy", "fitres_to_reply", "ndarrays_to_reply", "reply_to_ndarrays"]
+
+
+class FedFiOTLegacy(FedAvg):
+    """FedFiOT as a ``flwr.server.strategy`` strategy (``aggregate_fit`` over ``FitRes``).
+
+    Parameters
+    ----------
+    spec, model, config, validate_fn, buffers, min_valid_replies, fedavg_baseline
+        As in :class:`fedfiot_flwr.FedFiOT`.
+    names : sequence of str, optional
+        State-dict key order of the global parameter list (default: ``model.state_dict()``
+        order, else ``spec.names``).
+    **fedavg_options
+        Everything ``flwr.server.strategy.FedAvg`` takes, with its defaults.
+    """
+
+    def __init__(
+        self,
+        spec: PermutationSpec | None = None,
+        model: torch.nn.Module | None = None,
+        *,
+        config: FedFiOTConfig | None = None,
+        validate_fn: ValidateFn | None = None,
+        names: Sequence[str] | None = None,
+        buffers: Sequence[str] | None = None,
+        min_valid_replies: int | None = None,
+        fedavg_baseline: bool = True,
+        **fedavg_options: Any,
+    ) -> None:
+        FedAvg.__init__(self, **fedavg_options)
+        if spec is None and model is not None:
+            spec = spec_from_module(model)
+        if spec is None:
+            raise ValueError("FedFiOTLegacy needs a permutation spec: pass model=<torch module> or spec=...")
+        self.spec = spec
+        self.fedfiot_config = resolve_config(config if config is not None else FedFiOTConfig.default(),
+                                             validate_fn is not None)
+        self.merger = RoundMerger(
+            FedFiOTAggregator(spec, self.fedfiot_config),
+            buffers=tuple(buffers) if buffers is not None else buffers_of(model),
+            validate_fn=validate_fn,
+            min_valid_replies=max(1, self.min_fit_clients) if min_valid_replies is None else min_valid_replies,
+            fedavg_baseline=fedavg_baseline,
+        )
+        if names is not None:
+            self.names = list(names)
+        elif model is not None:
+            self.names = list(model.state_dict())
+        else:
+            self.names = list(spec.names)
+        self.server_metrics: dict[int, dict[str, Any]] = {}
+        self._broadcast: dict[str, np.ndarray] | None = None
+
+    def __repr__(self) -> str:
+        return f"FedFiOTLegacy(config={self.fedfiot_config!r})"
+
+    @property
+    def reports(self) -> list[dict[str, Any]]:
+        """One JSON-ready report per merged (or failed) round."""
+        return self.merger.reports
+
+    def _to_dict(self, ndarrays: NDArrays) -> dict[str, np.ndarray]:
+        if len(ndarrays) != len(self.names):
+            raise ValueError(
+                f"the global parameters hold {len(ndarrays)} arrays but the model has {len(self.names)} "
+                "state_dict entries (pass names= in state_dict order)"
+            )
+        return {k: np.asarray(v) for k, v in zip(self.names, ndarrays)}
+
+    def configure_fit(
+        self, server_round: int, parameters: Parameters, client_manager: ClientManager
+    ) -> list[tuple[ClientProxy, FitIns]]:
+        """Remember the broadcast model, then sample clients as FedAvg does."""
+        self._broadcast = self._to_dict(parameters_to_ndarrays(parameters))
+        return super().configure_fit(server_round, parameters, client_manager)
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        """Decode each FitRes payload once, exclude the broken ones, merge the rest with FedFiOT.
+
+        Raises
+        ------
+        RuntimeError
+            When fewer than ``min_valid_replies`` valid replies remain.
+        """
+        good: list[tuple[str, RecordDict]] = []
+        errors: list[tuple[str, str]] = []
+        seen: set[str] = set()  # one reply per client: results first, then failures
+        for proxy, fit_res in results:
+            cid = str(proxy.cid)
+            if cid in seen:
+                errors.append((cid, DUPLICATE_REASON))
+                continue
+            seen.add(cid)
+            try:
+                good.append((cid, fitres_to_reply(fit_res, cid)))
+            except Exception as exc:  # noqa: BLE001 - an untrusted reply excludes itself, never the round
+                errors.append((cid, str(exc) or type(exc).__name__))
+        for failure in failures:
+            if isinstance(failure, BaseException):
+                errors.append(("?", f"failure: {type(failure).__name__}: {failure}"))
+                continue
+            proxy, fit_res = failure
+            cid = str(proxy.cid)
+            reason = f"failure: {fit_res.status.code.name}: {fit_res.status.message}"
+            errors.append((cid, f"{DUPLICATE_REASON} ({reason})" if cid in seen else reason))
+            seen.add(cid)
+        result = self.merger.merge(server_round, good, errors, self._broadcast)
+        self.server_metrics[server_round] = result.report["server_metrics"]
+        log(INFO, "FedFiOT round %s server-side metrics: %s", server_round, result.report["server_metrics"])
+        metrics: dict[str, Scalar] = {}
+        if self.fit_metrics_aggregation_fn is not None:
+            ups = result.uploads
+            metrics = self.fit_metrics_aggregation_fn(list(zip(ups.num_examples, ups.metrics)))
+        return ndarrays_to_parameters([result.model[k] for k in self.names]), metrics

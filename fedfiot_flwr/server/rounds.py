@@ -1,0 +1,209 @@
+"""One merge round, the same for the Message-API strategy and its legacy twin.
+
+:class:`RoundMerger` takes a round's replies (already attributed to their nodes), decodes and
+validates each one once, excludes the broken ones with the reason, calls the aggregator, and keeps
+the round's server-side report (:attr:`RoundMerger.reports`, JSON-ready, lists as lists).
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO, WARNING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import RecordDict
+from flwr.supercore import log
+
+from fedfiot_flwr.baselines.averaging import size_weighted_average
+from fedfiot_flwr.server.aggregators import AggregateOutcome, Aggregator, RoundContext, describe_fedfiot_choice
+from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads, require_enough, weighted_mean_metrics
+
+__all__ = ["RoundMerger", "RoundResult", "jsonable"]
+
+Model = dict[str, np.ndarray]
+ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float] | None]
+
+
+def jsonable(value: Any) -> Any:
+    """Numpy scalars/arrays to Python values, non-finite floats to None, tuples to lists."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return jsonable(value.tolist())
+    if isinstance(value, (np.bool_, bool)):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        return value if np.isfinite(value) else None
+    return value
+
+
+@dataclass
+class RoundResult:
+    """A merged round: the model, the decoded uploads, the aggregator's outcome and the report."""
+
+    model: Model
+    uploads: CollectedUploads
+    outcome: AggregateOutcome
+    report: dict[str, Any]
+
+
+class RoundMerger:
+    """Decode, validate, exclude, aggregate and report one round.
+
+    Parameters
+    ----------
+    aggregator : Aggregator
+        The merge method.
+    buffers : sequence of str
+        State-dict entries without a Fisher.
+    validate_fn : callable, optional
+        ``model dict -> metrics`` on the server's validation data.
+    min_valid_replies : int
+        The round fails with a clear error below this many valid replies.
+    fedavg_baseline : bool
+        Also compute FedAvg of the same uploads (reported next to the method's model).
+    post_merge : callable, optional
+        ``model dict -> model dict`` applied to the merged model before it is validated and
+        returned (e.g. BatchNorm statistics recomputed on server data).
+    """
+
+    def __init__(
+        self,
+        aggregator: Aggregator,
+        *,
+        buffers: Sequence[str] = (),
+        validate_fn: ValidateFn | None = None,
+        min_valid_replies: int = 1,
+        fedavg_baseline: bool = True,
+        post_merge: Callable[[Model], Model] | None = None,
+    ) -> None:
+        if min_valid_replies < 1:
+            raise ValueError(f"min_valid_replies must be >= 1, got {min_valid_replies}")
+        self.aggregator = aggregator
+        self.buffers = tuple(buffers)
+        self.validate_fn = validate_fn
+        self.min_valid_replies = int(min_valid_replies)
+        self.fedavg_baseline = bool(fedavg_baseline)
+        self.post_merge = post_merge
+        self.reports: list[dict[str, Any]] = []
+        self.last: RoundResult | None = None
+
+    def _validate(self, model: Model) -> dict[str, float] | None:
+        if self.validate_fn is None:
+            return None
+        res = self.validate_fn(model)
+        if res is None:
+            return None
+        return {k: float(v) for k, v in res.items() if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
+
+    def merge(
+        self,
+        server_round: int,
+        replies: Iterable[tuple[str, RecordDict]],
+        errors: Iterable[tuple[str, str]],
+        broadcast: Model | None,
+    ) -> RoundResult:
+        """Merge one round's replies.
+
+        Parameters
+        ----------
+        server_round : int
+            Current round (1-based).
+        replies : iterable of (node id, RecordDict)
+            Replies in arrival order, each attributed to the node it answers for.
+        errors : iterable of (node id, reason)
+            Replies that carry an error instead of content.
+        broadcast : dict, optional
+            The model sent this round (its names and shapes are what every reply must match).
+
+        Returns
+        -------
+        RoundResult
+
+        Raises
+        ------
+        RuntimeError
+            When fewer than ``min_valid_replies`` replies are valid; lists every excluded client.
+        """
+        label = self.aggregator.label
+        shapes = None if broadcast is None else {k: tuple(v.shape) for k, v in broadcast.items()}
+        uploads = collect_uploads(replies, shapes, self.buffers, errors, kind=self.aggregator.reply_kind,
+                                  fisher_kind=self.aggregator.fisher_kind)
+        log(INFO, "%s round %s: %d valid replies, %d excluded (%.2f MB received)", label, server_round,
+                    len(uploads), len(uploads.rejections), uploads.bytes_received / 2**20)
+        for rej in uploads.rejections:
+            log(WARNING, "%s round %s: excluded client %s: %s", label, server_round, rej.client, rej.reason)
+        rejected = [{"client": r.client, "reason": r.reason} for r in uploads.rejections]
+        try:
+            require_enough(uploads, self.min_valid_replies, server_round, label)
+        except RuntimeError:
+            self.reports.append(jsonable({"round": server_round, "rejected": rejected, "failed": True}))
+            raise
+        t0 = time.perf_counter()
+        context = RoundContext(server_round, broadcast, self.buffers, self.validate_fn)
+        outcome = self.aggregator.aggregate(uploads, context)
+        order = list(broadcast) if broadcast is not None else list(uploads.weights[0])
+        model = {k: np.asarray(outcome.model[k]) for k in order}
+        validation = outcome.validation
+        if self.post_merge is not None:
+            model = {k: np.asarray(v) for k, v in self.post_merge(model).items()}
+            validation = None  # the model changed: validate what is returned
+        if validation is None:
+            validation = self._validate(model)
+        if self.fedavg_baseline and "fedavg" not in outcome.alternatives:
+            outcome.alternatives["fedavg"] = size_weighted_average(uploads.weights, uploads.num_examples)
+        for name, alt in outcome.alternatives.items():
+            outcome.alternatives[name] = {k: np.asarray(alt[k]) for k in order}
+            if name not in outcome.alternative_validation and self.validate_fn is not None:
+                outcome.alternative_validation[name] = self._validate(outcome.alternatives[name]) or {}
+        seconds = time.perf_counter() - t0
+        server_metrics: dict[str, Any] = {
+            "num-valid": len(uploads),
+            "num-rejected": len(uploads.rejections),
+            "bytes-received": int(uploads.bytes_received),
+            "aggregate-seconds": float(seconds),
+            **outcome.metrics,
+        }
+        for prefix, val in (("val", validation), *((f"{n}-val", v) for n, v in outcome.alternative_validation.items())):
+            for key, value in (val or {}).items():
+                server_metrics[f"{prefix}-{key}"] = float(value)
+        report = jsonable({
+            "round": server_round,
+            "strategy": label,
+            "clients": list(uploads.client_ids),
+            "num_examples": list(uploads.num_examples),
+            "rejected": rejected,
+            "bytes_received": uploads.bytes_received,
+            "bytes_per_client": dict(uploads.bytes_per_client),
+            "chosen": outcome.chosen,
+            "validation": validation,
+            "alternative_validation": outcome.alternative_validation,
+            "client_train_metrics": weighted_mean_metrics(uploads.metrics, uploads.num_examples),
+            "server_metrics": server_metrics,
+            "seconds": seconds,
+            **outcome.record,
+        })
+        self.reports.append(report)
+        self.last = RoundResult(model, uploads, outcome, report)
+        self._log(server_round, outcome, validation)
+        return self.last
+
+    def _log(self, server_round: int, outcome: AggregateOutcome, validation: Mapping[str, float] | None) -> None:
+        label = self.aggregator.label
+        what = (describe_fedfiot_choice(outcome.chosen, outcome.metrics) if "variant" in outcome.chosen
+                and outcome.chosen.get("variant") in ("aligned", "identity", "fedavg") else f"chose {outcome.chosen}")
+        val = ""
+        if validation:
+            val = "; validation " + ", ".join(f"{k} {v:.4f}" for k, v in validation.items())
+            fedavg = outcome.alternative_validation.get("fedavg")
+            if fedavg:
+                val += " (FedAvg of the same uploads: " + ", ".join(f"{k} {v:.4f}" for k, v in fedavg.items()) + ")"
+        log(INFO, "%s round %s (server): %s in %.2fs%s", label, server_round, what, outcome.seconds, val)

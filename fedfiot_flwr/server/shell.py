@@ -1,0 +1,254 @@
+"""The one Flower strategy shell (Message API) every merge method of this package runs in.
+
+:class:`MergeStrategy` is Flower's ``FedAvg`` with its aggregation replaced: sampling, messages,
+``start(...)``, federated evaluation and every ``FedAvg`` option stay Flower's, with Flower's
+defaults. In ``aggregate_train`` it attributes each reply to the node it answers for, decodes
+and validates it once, excludes broken and duplicated replies (naming client and tensor), calls
+its :class:`~fedfiot_flwr.server.aggregators.Aggregator`, and returns the new global model with
+the clients' own training metrics (aggregated by Flower's ``train_metrics_aggr_fn``, names
+unchanged). The merge's own diagnostics are server metrics: logged once per round and kept in
+:attr:`MergeStrategy.server_metrics` and :attr:`MergeStrategy.reports`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from logging import INFO, WARNING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore import log
+
+from fedfiot_flwr.server.aggregators import Aggregator
+from fedfiot_flwr.server.nodes import NodeWaiter
+from fedfiot_flwr.server.rounds import RoundMerger, RoundResult
+from fedfiot_flwr.server.uploads import DUPLICATE_REASON, weighted_mean_metrics
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MergeStrategy", "arrays_to_numpy", "buffers_of", "numpy_to_arrays"]
+
+Model = dict[str, np.ndarray]
+ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float] | None]
+
+
+def arrays_to_numpy(arrays: ArrayRecord) -> Model:
+    """An ArrayRecord as an ordered ``{name: np.ndarray}`` dict."""
+    return {k: np.asarray(v.numpy()) for k, v in arrays.items()}
+
+
+def numpy_to_arrays(model: Mapping[str, np.ndarray], order: Sequence[str] | None = None) -> ArrayRecord:
+    """A numpy dict as an ArrayRecord, keys in ``order`` (default: the dict's order)."""
+    keys = list(order) if order is not None else list(model)
+    # np.array(copy, order="C"), not np.ascontiguousarray: the latter turns 0-d buffers
+    # (BatchNorm's num_batches_tracked) into shape (1,), which the next round then rejects.
+    return ArrayRecord({k: Array.from_numpy_ndarray(np.array(model[k], order="C")) for k in keys})
+
+
+def buffers_of(model: torch.nn.Module | None) -> tuple[str, ...]:
+    """State-dict entries of ``model`` that are not parameters (BatchNorm statistics)."""
+    if model is None:
+        return ()
+    params = {n for n, _ in model.named_parameters()}
+    return tuple(n for n in model.state_dict() if n not in params)
+
+
+def _metric_record(values: Mapping[str, Any]) -> MetricRecord:
+    """Keep what a MetricRecord can hold: finite numbers and lists of them."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, bool):
+            out[key] = int(value)
+        elif isinstance(value, (int, float)) and np.isfinite(value):
+            out[key] = value
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) and np.isfinite(v) for v in value):
+            out[key] = [float(v) for v in value]
+    return MetricRecord(out)
+
+
+class MergeStrategy(FedAvg):
+    """Flower's ``FedAvg`` with a pluggable one-shot-capable aggregator.
+
+    Parameters
+    ----------
+    aggregator : Aggregator
+        The merge method (FedFiOT, FedFisher, RegMean, FedAvg on the same uploads).
+    model : torch.nn.Module, optional
+        The architecture; gives the buffer names (state-dict entries without a Fisher).
+    buffers : sequence of str, optional
+        Explicit buffer names (win over ``model``'s).
+    validate_fn : callable, optional
+        ``model dict -> metrics`` on the server's validation data
+        (:func:`fedfiot_flwr.validation.make_validate_fn` builds one).
+    min_valid_replies : int, optional
+        The round fails with a clear error below this many valid replies (default:
+        ``min_train_nodes``, at least 1).
+    fedavg_baseline : bool
+        Also compute FedAvg of the same uploads each round (in :attr:`last_round`).
+    bn_recalibration : callable, optional
+        ``model dict -> model dict`` applied to every round's merged model before it is
+        validated, reported and broadcast (e.g. BatchNorm running statistics recomputed on server
+        data). Without it, BN statistics are the merge's size-weighted averages of the clients'.
+    node_wait_s : float, optional
+        Before each round, wait at most this long for ``min_available_nodes`` nodes, then go on
+        with the connected ones (at least ``min_valid_replies``); nodes lost since an earlier
+        round are reported as ``unavailable_nodes``. ``None``: Flower's unbounded wait.
+    **fedavg_options
+        Everything Flower's ``FedAvg`` takes, with ``FedAvg``'s defaults (``fraction_train``,
+        ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``,
+        ``min_available_nodes``, ``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``,
+        ``train_metrics_aggr_fn``, ``evaluate_metrics_aggr_fn``).
+    """
+
+    def __init__(
+        self,
+        aggregator: Aggregator,
+        *,
+        model: torch.nn.Module | None = None,
+        buffers: Sequence[str] | None = None,
+        validate_fn: ValidateFn | None = None,
+        min_valid_replies: int | None = None,
+        fedavg_baseline: bool = True,
+        bn_recalibration: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        node_wait_s: float | None = None,
+        **fedavg_options: Any,
+    ) -> None:
+        FedAvg.__init__(self, **fedavg_options)
+        self.aggregator = aggregator
+        self.validate_fn = validate_fn
+        min_valid = max(1, self.min_train_nodes) if min_valid_replies is None else min_valid_replies
+        self.merger = RoundMerger(
+            aggregator,
+            buffers=tuple(buffers) if buffers is not None else buffers_of(model),
+            validate_fn=validate_fn,
+            min_valid_replies=min_valid,
+            fedavg_baseline=fedavg_baseline,
+            post_merge=bn_recalibration,
+        )
+        self.server_metrics: dict[int, MetricRecord] = {}
+        self._broadcast: Model | None = None
+        self._sent: list[Message] = []
+        self._node_waiter = NodeWaiter(node_wait_s)
+        self.unavailable_nodes: dict[int, list[int]] = {}  # round -> nodes lost since an earlier round
+
+    # -- what the round produced -------------------------------------------------------------
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        """State-dict entries merged without a Fisher."""
+        return self.merger.buffers
+
+    @property
+    def min_valid_replies(self) -> int:
+        """Minimum number of valid replies a round needs."""
+        return self.merger.min_valid_replies
+
+    @property
+    def reports(self) -> list[dict[str, Any]]:
+        """One JSON-ready report per merged (or failed) round."""
+        return self.merger.reports
+
+    @property
+    def last_round(self) -> RoundResult | None:
+        """The last merged round: model, decoded uploads, aggregator outcome and report."""
+        return self.merger.last
+
+    # -- Flower hooks ------------------------------------------------------------------------
+
+    def summary(self) -> None:
+        """Log the aggregator's configuration, then FedAvg's summary."""
+        log(INFO, "\t├──> %s: %s", self.aggregator.label, self.aggregator.config())
+        super().summary()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample as FedAvg (with a bounded wait for nodes); remember the broadcast model and the instructions."""
+        self._broadcast = arrays_to_numpy(arrays)
+        self._sent, lost = self._node_waiter.configure(
+            self, grid, self.min_valid_replies, server_round,
+            lambda: super(MergeStrategy, self).configure_train(server_round, arrays, config, grid),
+        )
+        if lost:
+            log(WARNING, "%s round %s: nodes %s are no longer connected", self.aggregator.label, server_round, lost)
+            self.unavailable_nodes[server_round] = lost
+        return self._sent
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample as FedAvg; with ``node_wait_s``, evaluate on the nodes left after a bounded wait."""
+        timeout = self._node_waiter.timeout_s
+        if timeout is None or self.fraction_evaluate == 0.0:
+            return super().configure_evaluate(server_round, arrays, config, grid)
+        wanted = max(int(self.min_available_nodes), int(self.min_evaluate_nodes))
+        deadline = time.monotonic() + timeout
+        while len(list(grid.get_node_ids())) < wanted and time.monotonic() < deadline:
+            time.sleep(self._node_waiter.poll_s)
+        connected = len(list(grid.get_node_ids()))
+        if connected >= wanted:
+            return super().configure_evaluate(server_round, arrays, config, grid)
+        if connected == 0:
+            log(WARNING, "round %s: no node connected, federated evaluation skipped", server_round)
+            return []
+        saved = self.min_available_nodes, self.min_evaluate_nodes
+        self.min_available_nodes = self.min_evaluate_nodes = connected
+        try:
+            return list(super().configure_evaluate(server_round, arrays, config, grid))
+        finally:
+            self.min_available_nodes, self.min_evaluate_nodes = saved
+
+    def _node_of(self, reply: Message, sent: Mapping[str, int]) -> str:
+        """The node an answer is for: the instruction's destination (error replies may lack a source)."""
+        node = sent.get(reply.metadata.reply_to_message_id)
+        return str(node if node is not None else reply.metadata.src_node_id)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode and validate each reply once, exclude the broken ones, and aggregate the rest.
+
+        Raises
+        ------
+        RuntimeError
+            When fewer than ``min_valid_replies`` valid replies remain (the message lists every
+            excluded client with the reason).
+        """
+        sent = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent if m.metadata.message_id}
+        good, errors = [], []
+        seen: set[str] = set()  # in arrival order, a node's first reply counts
+        for msg in replies:
+            node = self._node_of(msg, sent)
+            if node in seen:
+                errors.append((node, DUPLICATE_REASON))
+            elif msg.has_error():
+                errors.append((node, f"error reply: {msg.error.reason} (code {msg.error.code})"))
+            else:
+                good.append((node, msg.content))
+            seen.add(node)
+        lost = self.unavailable_nodes.get(server_round)
+        try:
+            result = self.merger.merge(server_round, good, errors, self._broadcast)
+        finally:
+            if lost and self.reports and self.reports[-1].get("round") == server_round:
+                self.reports[-1]["unavailable_nodes"] = list(lost)
+        self.server_metrics[server_round] = _metric_record(result.report["server_metrics"])
+        log(INFO, "%s round %s server-side metrics: %s", self.aggregator.label, server_round,
+            dict(self.server_metrics[server_round]))
+        return numpy_to_arrays(result.model), self._train_metrics(result)
+
+    def _train_metrics(self, result: RoundResult) -> MetricRecord | None:
+        """The clients' own training metrics, aggregated as FedAvg does (names unchanged)."""
+        contents = result.uploads.contents
+        if not contents:
+            return None
+        try:
+            return self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        except (KeyError, TypeError, ValueError) as exc:
+            log(WARNING, "train_metrics_aggr_fn failed (%s); using the example-weighted mean", exc)
+            return _metric_record(weighted_mean_metrics(result.uploads.metrics, result.uploads.num_examples))

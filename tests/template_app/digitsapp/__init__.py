@@ -1,0 +1,1 @@
+"""digitsapp: a Flower / PyTorch app."""
