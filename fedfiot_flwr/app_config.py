@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 INITS = ("shared", "independent")
 STRATEGIES = ("fedfiot", "fedfisher-kfac", "fedfisher-diag", "regmean")
 """Values of the ``strategy`` key: FedFiOT or one of the paper's one-shot baselines."""
-FISHER_KINDS = ("true", "empirical")
+FISHER_KINDS = ("true", "empirical", "sampled")
 PRESETS = ("default", "paper")
 """Values of ``preset``: :meth:`fedfiot_flwr.FedFiOTConfig.default` or ``.paper``."""
 FALLBACKS = ("objective", "validation", "none")

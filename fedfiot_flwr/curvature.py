@@ -222,7 +222,7 @@ def kfac_factors(
     if kind not in FISHER_KINDS:
         raise ValueError(f"unknown Fisher kind {kind!r}; choose one of {FISHER_KINDS}")
     chosen = _select(model, modules, linear_only=False)
-    fisher_type = {"true": "type-2", "empirical": "empirical"}[kind]
+    fisher_type = {"true": "type-2", "empirical": "empirical", "sampled": "mc"}[kind]
     with gradient_mode(model, device, "curvature"):
         a_cov, g_cov, n = _run_kfac(model, dataloader, chosen, fisher_type, progress)
     out: dict[str, KFACFactors] = {}

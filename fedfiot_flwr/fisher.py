@@ -8,6 +8,10 @@
 - ``kind="true"`` (FedFisher's): ``sum_c p(c | x_n) (d/d theta log p(c | x_n))**2``, the
   expectation over the model's own predictive distribution, computed exactly by
   enumerating the classes (no sampling).
+- ``kind="sampled"``: ``(d/d theta log p(c_n | x_n))**2`` with one label ``c_n`` drawn from
+  the model's own ``p(. | x_n)``: an unbiased estimate of the true Fisher at the empirical
+  Fisher's cost (one backward vector per example). Draws use torch's global RNG (seed it
+  with ``torch.manual_seed`` for a reproducible Fisher).
 
 ``log p`` is ``log_softmax`` of the model's logits. Gradients are per example (never a
 squared batch gradient) and taken at the current weights with the model in eval mode; the
@@ -59,7 +63,7 @@ from fedfiot_flwr.task import split_batch
 
 __all__ = ["FISHER_KINDS", "FISHER_METHODS", "diagonal_fisher", "output_vectors", "supported_modules"]
 
-FISHER_KINDS = ("empirical", "true")
+FISHER_KINDS = ("empirical", "true", "sampled")
 FISHER_METHODS = ("auto", "vmap", "loop")
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 # Largest per-chunk tensor of materialised per-example gradients, in elements.
@@ -84,19 +88,20 @@ def output_vectors(logits: torch.Tensor, labels: torch.Tensor, kind: str) -> tor
     labels : torch.Tensor
         ``(B,)`` integer labels in ``[0, C)`` (only used by ``kind="empirical"``).
     kind : str
-        ``"empirical"`` or ``"true"``.
+        ``"empirical"``, ``"true"`` or ``"sampled"``.
 
     Returns
     -------
     torch.Tensor
         ``(B, R, C)`` with ``R = 1`` (empirical: ``p - e_y``, the gradient of
-        ``-log p(y|x)`` with respect to the logits) or ``R = C`` (true: row ``c`` is
-        ``sqrt(p_c) (p - e_c)``).
+        ``-log p(y|x)`` with respect to the logits; sampled: ``p - e_c`` with ``c ~ p``)
+        or ``R = C`` (true: row ``c`` is ``sqrt(p_c) (p - e_c)``).
     """
     p = torch.softmax(logits.detach(), dim=1)
-    if kind == "empirical":
+    if kind in ("empirical", "sampled"):
+        target = labels if kind == "empirical" else torch.multinomial(p.float(), 1).squeeze(1)
         v = p.clone()
-        v[torch.arange(v.shape[0], device=v.device), labels] -= 1.0
+        v[torch.arange(v.shape[0], device=v.device), target] -= 1.0
         return v.unsqueeze(1)
     if kind == "true":
         eye = torch.eye(p.shape[1], dtype=p.dtype, device=p.device)

@@ -1,0 +1,179 @@
+"""Benchmark rows that use the server's data beyond selection: floors/ceilings and the refined FedFiOT merge.
+
+Rows (method names in the result records):
+
+- ``best-single-client``: the client model with the best accuracy on the whole server
+  validation set (a rival: one upload, no merge).
+- ``mean-client``: the clients' mean test accuracy (a floor; selects nothing).
+- ``ensemble``: averaged logits of the K client models (a ceiling: K times the model).
+- ``centralized``: one model trained on the union of the clients' data, same epochs and
+  optimiser, from the broadcast initialisation (a ceiling: no federation).
+- ``fedfiot-refined``: FedFiOT's default merge followed by
+  :func:`fedfiot_flwr.server_refine.refine_merged_model`. The 500 validation examples are
+  split once (seeded) into a fitting fold and a selection fold of 250 each: the merge's
+  knobs (rho x lam x reference x Fisher scaling, aligned vs identity) and the refinement's
+  candidate are chosen on the selection fold; only the refinement's least squares / REPAIR
+  statistics use the fitting fold (no labels).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import ConcatDataset, DataLoader, Subset
+
+from benchmarks import harness as H
+from fedfiot_flwr.data import FederatedSplit
+from fedfiot_flwr.merge import METHODS, PermutationSpec
+from fedfiot_flwr.selection import Candidate, SweepGrid, merge_round
+from fedfiot_flwr.server_refine import RefineOptions, refine_merged_model
+from fedfiot_flwr.task import train
+
+SERVER_DATA_METHODS = ("best-single-client", "mean-client", "ensemble", "centralized", "fedfiot-refined")
+LABELS = {
+    "best-single-client": "Best single client (chosen on validation)",
+    "mean-client": "Mean client",
+    "ensemble": "Ensemble of the K clients (averaged logits)",
+    "centralized": "Centralized (union of the clients' data)",
+    "fedfiot-refined": "FedFiOT default + server refinement (proposed default)",
+}
+FOLD_SEED = 0
+
+Model = dict[str, np.ndarray]
+
+
+def validation_folds(n: int, seed: int = FOLD_SEED) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint (fitting, selection) positions into the validation set: a seeded half/half split."""
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[: n // 2]), np.sort(order[n // 2:])
+
+
+def fold_loaders(split: FederatedSplit, batch_size: int = 500) -> tuple[DataLoader, DataLoader]:
+    """DataLoaders of the fitting and selection folds of the server validation set."""
+    fit, sel = validation_folds(len(split.validation))
+    return (DataLoader(Subset(split.validation, fit.tolist()), batch_size=batch_size),
+            DataLoader(Subset(split.validation, sel.tolist()), batch_size=batch_size))
+
+
+def selection_evaluator(split: FederatedSplit, build: Callable[[], torch.nn.Module],
+                        device: torch.device | None = None) -> H.Evaluator:
+    """An :class:`~benchmarks.harness.Evaluator` whose ``validate`` sees the selection fold only."""
+    _, sel = validation_folds(len(split.validation))
+    return H.Evaluator(replace(split, validation=Subset(split.validation, sel.tolist())), build, device)
+
+
+def _test_logits(model: torch.nn.Module, ev: H.Evaluator) -> tuple[torch.Tensor, torch.Tensor]:
+    outs, ys = [], []
+    model.eval()
+    with torch.no_grad():
+        for x, y in ev._test_batches():
+            outs.append(model(x.to(ev.device)).cpu())
+            ys.append(y.cpu())
+    return torch.cat(outs), torch.cat(ys)
+
+
+def floors_and_ceilings(uploads: H.Uploads, build: Callable[[], torch.nn.Module], ev: H.Evaluator,
+                        methods: Sequence[str]) -> list[dict[str, Any]]:
+    """Records of ``best-single-client``, ``mean-client`` and ``ensemble`` (whichever are asked for)."""
+    q = uploads.quantized
+    t0 = time.perf_counter()
+    val = [ev.validate(w)["accuracy"] for w in q.weights]
+    logits, tests, y = None, [], None
+    for w in q.weights:
+        model = H.load_numpy(build(), w).to(ev.device)
+        lg, y = _test_logits(model, ev)
+        tests.append(float((lg.argmax(1) == y).float().mean()))
+        logits = lg if logits is None else logits + lg
+    assert logits is not None and y is not None
+    seconds = time.perf_counter() - t0
+    best = int(np.argmax(val))
+    out = []
+    if "best-single-client" in methods:
+        out.append({"method": "best-single-client", "test_accuracy": tests[best], "validation_accuracy": val[best],
+                    "knobs": {"client": best, "swept": ["client"]}, "sweep_seconds": seconds})
+    if "mean-client" in methods:
+        out.append({"method": "mean-client", "test_accuracy": float(np.mean(tests)),
+                    "validation_accuracy": float(np.mean(val)), "knobs": {}, "sweep_seconds": 0.0})
+    if "ensemble" in methods:
+        out.append({"method": "ensemble", "test_accuracy": float((logits.argmax(1) == y).float().mean()),
+                    "validation_accuracy": math.nan, "knobs": {}, "sweep_seconds": 0.0})
+    return out
+
+
+def centralized(setting: H.Setting, split: FederatedSplit, uploads: H.Uploads, ev: H.Evaluator,
+                cache_dir: Path | None, device: torch.device | None = None) -> dict[str, Any]:
+    """Train one model on the union of the clients' data (same epochs, batch size, lr, init); cached."""
+    cfg = setting.app_config()
+    path = None if cache_dir is None else Path(cache_dir) / setting.cache_key() / "centralized.npz"
+    if path is not None and path.is_file():
+        with np.load(path) as data:
+            state = {k[2:]: data[k] for k in data.files if k.startswith("w/")}
+            seconds = float(data["seconds"])
+    else:
+        model = cfg.build_model(split) if uploads.broadcast is None else H.load_numpy(cfg.build_model(split),
+                                                                                        uploads.broadcast)
+        seed = H.client_seed(cfg.seed, 1, 10_000)
+        gen = torch.Generator().manual_seed(seed)
+        loader = DataLoader(ConcatDataset(split.clients), batch_size=cfg.batch_size, shuffle=True, generator=gen)
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        train(model, loader, cfg.local_epochs, lr=cfg.lr, device=device or ev.device, progress=False)
+        seconds = time.perf_counter() - t0
+        state = H.state_numpy(model)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(path, seconds=np.array(seconds), **{f"w/{k}": v for k, v in state.items()})
+    _, acc = ev.test(state)
+    return {"method": "centralized", "test_accuracy": acc, "validation_accuracy": ev.validate(state)["accuracy"],
+            "knobs": {"train_seconds": seconds}, "sweep_seconds": 0.0}
+
+
+def fedfiot_merge_on_fold(uploads: H.Uploads, spec: PermutationSpec, buffers: Sequence[str], sel_ev: H.Evaluator,
+                          grid: str = "small", init: str = "shared") -> Any:
+    """FedFiOT's default-preset merge (without the FedAvg candidate), knobs chosen on the selection fold."""
+    plan = H.method_plans(["fedfiot-default"], init, grid)[0]
+    options = METHODS[plan.preset]
+    offers_broadcast = plan.grid is not None and "broadcast" in plan.grid.references
+    return merge_round(
+        uploads.quantized, spec, plan.default, max_iters=int(options.get("max_iters", 8)),
+        matching=options["matching"], aggregation=options["aggregation"], fallback=plan.fallback,
+        buffers=buffers, broadcast=uploads.broadcast,
+        server_round=2 if offers_broadcast and uploads.broadcast is not None else 1,
+        sweep=plan.grid, validate=sel_ev.validate, metric="accuracy", baseline=False, fedavg_candidate=False,
+    )
+
+
+def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch.nn.Module], spec: PermutationSpec,
+            buffers: Sequence[str], ev: H.Evaluator, sel_ev: H.Evaluator, options: RefineOptions,
+            grid: str = "small", init: str = "shared", log: Callable[[str], None] | None = None,
+            merge_outcome: Any = None) -> dict[str, Any]:
+    """The ``fedfiot-refined`` record: FedFiOT's merge (knobs on the selection fold), then the refinement."""
+    t0 = time.perf_counter()
+    outcome = merge_outcome or fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, grid, init)
+    merge_seconds = time.perf_counter() - t0
+    res = outcome.result
+    perms = res.permutations if outcome.variant == "aligned" else None
+    fit_loader, select_loader = fold_loaders(split)
+    model, report = refine_merged_model(outcome.model, uploads.quantized.weights, build(), fit_loader, select_loader,
+                                        spec=spec, permutations=perms, num_examples=uploads.quantized.num_examples,
+                                        options=options, log=log)
+    _, acc = ev.test(model)
+    frac = float(np.mean(res.fraction_permuted)) if res.fraction_permuted else 0.0
+    return {
+        "method": "fedfiot-refined", "test_accuracy": acc,
+        "validation_accuracy": report.selection_accuracy[report.chosen],
+        "knobs": {**{k: v for k, v in vars(outcome.candidate).items()}, "variant": outcome.variant,
+                  "refinement": report.chosen, "selection_accuracy": report.selection_accuracy,
+                  "swept": ["rho", "lam", "reference", "fisher_scaling", "variant", "refinement"]},
+        "fraction_permuted": frac if outcome.variant == "aligned" else 0.0,
+        "alignment_fraction_permuted": frac,
+        "merge_seconds": merge_seconds, "refine_seconds": report.seconds,
+        "sweep_seconds": merge_seconds + report.seconds, "fold_sizes": [report.fit_examples, report.select_examples],
+    }

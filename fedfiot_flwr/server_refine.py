@@ -1,0 +1,542 @@
+"""Server-side refinement of a merged model on the server's own data (torch; no Flower).
+
+After :func:`fedfiot_flwr.merge.merge` the server holds the merged weights, every client's
+upload and, in one-shot FedFiOT, a small labelled validation set. This module runs the
+models on that data and hands the linear algebra to :mod:`fedfiot_flwr.merge.refine`:
+
+* :func:`refine_merged_model` -- the one entry point. It builds candidate models from the
+  merge (REPAIR, least-squares refinement at several ridges, both, and optionally each
+  client on its own), fitting every candidate on ``fit_loader`` only, and returns the one
+  with the best accuracy on ``select_loader``. The two loaders must hold disjoint examples:
+  whatever fits parameters never selects.
+* :func:`least_squares_refine` -- layer by layer (forward order), refit the merged layer
+  so that the merged model's own inputs to it reproduce the mean of the aligned clients'
+  outputs of that layer (pre-activations), with a ridge toward the merged weights.
+* :func:`repair` -- layer by layer, rescale (and, with a bias, shift) each merged neuron so
+  that its pre-activation mean/std match the aligned clients' average.
+* :func:`recalibrate_batchnorm` -- recompute BatchNorm running statistics of a merged
+  model on the fitting data (REPAIR for BN networks).
+
+Clients are aligned to the merge's neuron order first (``permutations`` from
+:class:`fedfiot_flwr.merge.MergeResult`), so "the mean of the clients' outputs" compares
+the same neuron across clients. Fitting inputs may be augmented (random shifts, flips and
+mixup of fitting images: unlabeled, so no label is needed): least squares needs no labels
+and more rows than a layer's fan-in.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfiot_flwr.merge.refine import LayerMoments, NeuronStats, reconstruction_error, repair_rescale, ridge_refit
+from fedfiot_flwr.merge.spec import PermutationSpec, apply_permutations
+from fedfiot_flwr.task import split_batch
+
+__all__ = [
+    "RefineOptions",
+    "RefineReport",
+    "augment_inputs",
+    "least_squares_refine",
+    "layer_modules",
+    "recalibrate_batchnorm",
+    "refine_merged_model",
+    "repair",
+]
+
+Model = dict[str, np.ndarray]
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+@dataclass(frozen=True)
+class RefineOptions:
+    """Knobs of :func:`refine_merged_model`.
+
+    Attributes
+    ----------
+    ridges : tuple[float, ...]
+        Relative ridges of the least-squares candidates (one candidate each).
+    repair : bool
+        Also offer REPAIR alone and REPAIR followed by each least-squares candidate.
+    client_candidates : bool
+        Also offer each client's own model (so the result is never below the best client on
+        the selection fold).
+    augment_copies : int
+        Augmented copies of every fitting example added to the fitting inputs (0: none).
+    target_weights : {"uniform", "size"}
+        How the clients' layer outputs are averaged into the target.
+    seed : int
+        Seed of the augmentation.
+    keep_candidates : bool
+        Keep every candidate model in the report (for measurements).
+    """
+
+    ridges: tuple[float, ...] = (1e-2, 1e-1)
+    repair: bool = False
+    client_candidates: bool = True
+    augment_copies: int = 0
+    target_weights: str = "uniform"
+    seed: int = 0
+    keep_candidates: bool = False
+
+
+@dataclass
+class RefineReport:
+    """What :func:`refine_merged_model` tried and chose.
+
+    Attributes
+    ----------
+    chosen : str
+        Name of the returned candidate (``"merged"``, ``"repair"``, ``"ls-r0.01"``,
+        ``"repair+ls-r0.01"``, ``"client-3"``...).
+    selection_accuracy : dict[str, float]
+        Accuracy of every candidate on the selection fold.
+    fit_errors : dict[str, list[float]]
+        Per least-squares candidate, each layer's reconstruction MSE on the fitting rows
+        before and after its refit (``[before, after]`` per layer, flattened).
+    fit_examples, select_examples : int
+        Examples in each fold (fitting rows before augmentation).
+    seconds : float
+        Wall time of the whole refinement (all candidates).
+    candidates : dict[str, dict]
+        Every candidate model, with ``options.keep_candidates`` (else empty).
+    """
+
+    chosen: str
+    selection_accuracy: dict[str, float] = field(default_factory=dict)
+    fit_errors: dict[str, list[float]] = field(default_factory=dict)
+    fit_examples: int = 0
+    select_examples: int = 0
+    seconds: float = 0.0
+    candidates: dict[str, Model] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------- models
+
+
+def _load(model: nn.Module, state: Mapping[str, np.ndarray]) -> nn.Module:
+    ref = model.state_dict()
+    missing = [k for k in ref if k not in state]
+    if missing:
+        raise ValueError(f"state lacks tensors {missing[:5]} of the model")
+    model.load_state_dict({k: torch.as_tensor(np.asarray(state[k])).to(ref[k].dtype) for k in ref})
+    return model
+
+
+def _state(model: nn.Module) -> Model:
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def layer_modules(model: nn.Module, example: torch.Tensor) -> list[tuple[str, nn.Module]]:
+    """The model's ``nn.Linear`` / ``nn.Conv2d`` layers in the order the forward pass calls them.
+
+    Raises
+    ------
+    ValueError
+        For a grouped convolution or a layer called more than once per forward.
+    """
+    order: list[str] = []
+    named = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+    handles = [m.register_forward_hook(lambda mod, a, o, n=n: order.append(n)) for n, m in named.items()]
+    try:
+        with torch.no_grad():
+            model.eval()
+            model(example[:1])
+    finally:
+        for h in handles:
+            h.remove()
+    if len(order) != len(set(order)):
+        raise ValueError("refinement needs every Linear/Conv2d layer called once per forward")
+    for n in order:
+        if isinstance(named[n], nn.Conv2d) and named[n].groups != 1:
+            raise ValueError(f"layer {n!r}: grouped convolutions are not supported by the refinement")
+    return [(n, named[n]) for n in order]
+
+
+def _rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A layer's input as least-squares rows ``(rows, fan_in [+1])`` (bias column last)."""
+    if isinstance(module, nn.Conv2d):
+        cols = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)  # (B, C*k*k, L)
+        r = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    else:
+        r = x.reshape(-1, x.shape[-1])
+    if module.bias is not None:
+        r = torch.cat([r, torch.ones(r.shape[0], 1, dtype=r.dtype)], dim=1)
+    return r
+
+
+def _out_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """A layer's output as rows ``(rows, out)``, matching :func:`_rows`."""
+    if isinstance(module, nn.Conv2d):
+        return y.flatten(2).transpose(1, 2).reshape(-1, y.shape[1])
+    return y.reshape(-1, y.shape[-1])
+
+
+def _flat_weight(module: nn.Module) -> np.ndarray:
+    w = module.weight.detach().double().reshape(module.weight.shape[0], -1).numpy()
+    if module.bias is not None:
+        w = np.concatenate([w, module.bias.detach().double().numpy()[:, None]], axis=1)
+    return w
+
+
+def _set_flat_weight(module: nn.Module, w: np.ndarray) -> None:
+    with torch.no_grad():
+        if module.bias is not None:
+            module.bias.copy_(torch.as_tensor(w[:, -1]))
+            w = w[:, :-1]
+        module.weight.copy_(torch.as_tensor(w).reshape(module.weight.shape))
+
+
+class _Capture:
+    """Forward hooks recording chosen layers' inputs and outputs."""
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]], inputs: bool, outputs: bool) -> None:
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.outputs: dict[str, torch.Tensor] = {}
+        self._handles = []
+        for name, mod in layers:
+            def hook(m: nn.Module, a: tuple[Any, ...], o: torch.Tensor, name: str = name) -> None:
+                if inputs:
+                    self.inputs[name] = a[0].detach()
+                if outputs:
+                    self.outputs[name] = o.detach()
+            self._handles.append(mod.register_forward_hook(hook))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+# --------------------------------------------------------------------------------- data
+
+
+def augment_inputs(x: torch.Tensor, copies: int, generator: torch.Generator) -> torch.Tensor:
+    """``x`` followed by ``copies`` augmented copies (random shift of up to 2 pixels, horizontal flip, mixup).
+
+    Images ``(B, C, H, W)`` get all three; other inputs get mixup only. Labels are not needed:
+    the refinement fits activations, not classes.
+    """
+    if copies <= 0:
+        return x
+    out = [x]
+    for _ in range(copies):
+        z = x.clone()
+        if z.ndim == 4:
+            dx, dy = (int(v) for v in torch.randint(-2, 3, (2,), generator=generator))
+            z = torch.roll(z, shifts=(dy, dx), dims=(2, 3))
+            flip = torch.rand(z.shape[0], generator=generator) < 0.5
+            z[flip] = z[flip].flip(3)
+        lam = 0.5 + 0.5 * torch.rand(z.shape[0], generator=generator)
+        partner = z[torch.randperm(z.shape[0], generator=generator)]
+        lam = lam.reshape((-1,) + (1,) * (z.ndim - 1))
+        out.append(lam * z + (1 - lam) * partner)
+    return torch.cat(out)
+
+
+def _collect_inputs(loader: Iterable[Any], copies: int, seed: int, batch: int = 500) -> list[torch.Tensor]:
+    xs = [split_batch(b)[0].float() for b in loader]
+    if not xs:
+        raise ValueError("the refinement's fitting loader yields no examples")
+    x = augment_inputs(torch.cat(xs), copies, torch.Generator().manual_seed(seed))
+    return list(torch.split(x, batch))
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _client_targets(
+    model: nn.Module, clients: Sequence[Model], weights: Sequence[float], layers: Sequence[tuple[str, nn.Module]],
+    batches: Sequence[torch.Tensor],
+) -> list[dict[str, torch.Tensor]]:
+    """Per batch and layer, the weighted mean of the (aligned) clients' layer outputs."""
+    targets: list[dict[str, torch.Tensor]] = [{} for _ in batches]
+    cap = _Capture(layers, inputs=False, outputs=True)
+    try:
+        with torch.no_grad():
+            for client, wk in zip(clients, weights):
+                _load(model, client).eval()
+                for i, x in enumerate(batches):
+                    model(x)
+                    for name, _ in layers:
+                        y = cap.outputs[name] * wk
+                        targets[i][name] = y if name not in targets[i] else targets[i][name] + y
+    finally:
+        cap.close()
+    return targets
+
+
+def _client_neuron_stats(
+    model: nn.Module, clients: Sequence[Model], weights: Sequence[float], layers: Sequence[tuple[str, nn.Module]],
+    batches: Sequence[torch.Tensor],
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per layer, the weighted mean over clients of each neuron's pre-activation mean and std."""
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    cap = _Capture(layers, inputs=False, outputs=True)
+    try:
+        with torch.no_grad():
+            for client, wk in zip(clients, weights):
+                _load(model, client).eval()
+                stats = {name: NeuronStats(mod.weight.shape[0]) for name, mod in layers}
+                for x in batches:
+                    model(x)
+                    for name, mod in layers:
+                        stats[name].add(_out_rows(mod, cap.outputs[name]).double().numpy())
+                for name, s in stats.items():
+                    m, sd = out.get(name, (0.0, 0.0))
+                    out[name] = (m + wk * s.mean, sd + wk * s.std)
+    finally:
+        cap.close()
+    return out
+
+
+# ----------------------------------------------------------------------------- corrections
+
+
+def repair(
+    model: nn.Module, layers: Sequence[tuple[str, nn.Module]], batches: Sequence[torch.Tensor],
+    targets: Mapping[str, tuple[np.ndarray, np.ndarray]], include_last: bool = False,
+) -> None:
+    """REPAIR in place: layer by layer, match each neuron's pre-activation mean/std to ``targets``.
+
+    The merged model's statistics are measured on ``batches`` after the earlier layers were
+    corrected (so each layer sees the inputs it will get). The last layer (logits) is left
+    alone unless ``include_last``.
+    """
+    todo = list(layers) if include_last else list(layers)[:-1]
+    model.eval()
+    for name, mod in todo:
+        cap = _Capture([(name, mod)], inputs=False, outputs=True)
+        stats = NeuronStats(mod.weight.shape[0])
+        try:
+            with torch.no_grad():
+                for x in batches:
+                    model(x)
+                    stats.add(_out_rows(mod, cap.outputs[name]).double().numpy())
+        finally:
+            cap.close()
+        w, b = repair_rescale(mod.weight.detach().double().numpy(),
+                              None if mod.bias is None else mod.bias.detach().double().numpy(),
+                              stats, *targets[name])
+        with torch.no_grad():
+            mod.weight.copy_(torch.as_tensor(w))
+            if b is not None:
+                mod.bias.copy_(torch.as_tensor(b))
+
+
+def least_squares_refine(
+    model: nn.Module, layers: Sequence[tuple[str, nn.Module]], batches: Sequence[torch.Tensor],
+    targets: Sequence[Mapping[str, torch.Tensor]], ridge: float,
+) -> list[float]:
+    """Least-squares refinement in place, layer by layer in forward order.
+
+    For each layer, accumulate the merged model's inputs to it (after the earlier layers were
+    refitted) against ``targets`` (the clients' mean outputs, per batch), then replace its
+    weights by :func:`fedfiot_flwr.merge.refine.ridge_refit` with ``ridge``.
+
+    Returns
+    -------
+    list[float]
+        ``[before, after]`` reconstruction MSE of every layer on the fitting rows.
+    """
+    errors: list[float] = []
+    model.eval()
+    for name, mod in layers:
+        w0 = _flat_weight(mod)
+        moments = LayerMoments(w0.shape[1], w0.shape[0])
+        cap = _Capture([(name, mod)], inputs=True, outputs=False)
+        try:
+            with torch.no_grad():
+                for x, tgt in zip(batches, targets):
+                    model(x)
+                    moments.add(_rows(mod, cap.inputs[name]).double().numpy(),
+                                _out_rows(mod, tgt[name]).double().numpy())
+        finally:
+            cap.close()
+        w = ridge_refit(moments, w0, ridge)
+        errors += [reconstruction_error(moments, w0), reconstruction_error(moments, w)]
+        _set_flat_weight(mod, w)
+    return errors
+
+
+def recalibrate_batchnorm(model: nn.Module, batches: Sequence[torch.Tensor]) -> bool:
+    """Recompute every BatchNorm's running mean/var on ``batches`` (cumulative average); False when there is none."""
+    bns = [m for m in model.modules() if isinstance(m, _BN_TYPES) and m.track_running_stats]
+    if not bns:
+        return False
+    momenta = [m.momentum for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None
+    model.train()
+    try:
+        with torch.no_grad():
+            for x in batches:
+                model(x)
+    finally:
+        for m, mo in zip(bns, momenta):
+            m.momentum = mo
+        model.eval()
+    return True
+
+
+def _accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
+    correct = seen = 0
+    model.eval()
+    with torch.no_grad():
+        for b in loader:
+            x, y = split_batch(b)
+            correct += int((model(x.float()).argmax(1) == y).sum())
+            seen += int(y.shape[0])
+    if seen == 0:
+        raise ValueError("the refinement's selection loader yields no examples")
+    return correct / seen
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def refine_merged_model(
+    merged: Mapping[str, np.ndarray],
+    clients: Sequence[Mapping[str, np.ndarray]],
+    model: nn.Module,
+    fit_loader: Iterable[Any],
+    select_loader: Iterable[Any],
+    spec: PermutationSpec | None = None,
+    permutations: Mapping[str, Sequence[np.ndarray]] | None = None,
+    num_examples: Sequence[int] | None = None,
+    options: RefineOptions = RefineOptions(),
+    log: Callable[[str], None] | None = None,
+) -> tuple[Model, RefineReport]:
+    """Refine a merged model on server data and return the best candidate on the selection fold.
+
+    Parameters
+    ----------
+    merged : dict[str, np.ndarray]
+        The merged model (state-dict keys of ``model``).
+    clients : sequence of dict
+        The clients' uploaded models (dequantized), in the merge's client order.
+    model : nn.Module
+        A module of the architecture (its weights are overwritten; used as scratch).
+    fit_loader, select_loader : iterable of (x, y) batches
+        Disjoint folds of the server's data: the first fits every candidate's parameters
+        (labels unused), the second only scores the candidates.
+    spec, permutations : optional
+        The merge's permutation spec and ``MergeResult.permutations`` (client ``k``'s
+        permutation of each hidden layer); without them the clients are taken as they are
+        (identity alignment).
+    num_examples : sequence of int, optional
+        Client sizes (for ``options.target_weights == "size"``).
+    options : RefineOptions
+        Candidates and data knobs.
+    log : callable, optional
+        Progress lines.
+
+    Returns
+    -------
+    tuple
+        ``(model dict, RefineReport)``; the merge itself is a candidate, so a refinement that
+        does not help on the selection fold is not applied.
+
+    Raises
+    ------
+    ValueError
+        On missing tensors, permutations that do not match ``clients``, empty folds or
+        non-finite activations (the message names the client or layer).
+    """
+    start = time.perf_counter()
+    if not clients:
+        raise ValueError("refine_merged_model needs at least one client model")
+    if options.target_weights not in ("uniform", "size"):
+        raise ValueError(f"target_weights must be 'uniform' or 'size', got {options.target_weights!r}")
+    aligned: list[Model] = []
+    for k, c in enumerate(clients):
+        missing = [n for n in merged if n not in c]
+        if missing:
+            raise ValueError(f"client {k}: upload lacks tensors {missing[:5]}")
+        if permutations and spec is not None:
+            perms = {}
+            for p, per_client in permutations.items():
+                if len(per_client) != len(clients):
+                    raise ValueError(f"permutation {p!r} has {len(per_client)} entries for {len(clients)} clients")
+                perms[p] = np.asarray(per_client[k])
+            aligned.append(apply_permutations(dict(c), spec, perms))
+        else:
+            aligned.append({n: np.asarray(v) for n, v in c.items()})
+    if options.target_weights == "size":
+        if num_examples is None or len(num_examples) != len(clients):
+            raise ValueError("target_weights='size' needs num_examples for every client")
+        tot = float(sum(num_examples))
+        weights = [float(n) / tot for n in num_examples]
+    else:
+        weights = [1.0 / len(clients)] * len(clients)
+
+    batches = _collect_inputs(fit_loader, options.augment_copies, options.seed)
+    fit_examples = sum(len(b) for b in batches) // (1 + max(options.augment_copies, 0))
+    select_batches = [(split_batch(b)[0].float(), split_batch(b)[1]) for b in select_loader]
+    select_examples = sum(len(y) for _, y in select_batches)
+    layers = layer_modules(model, batches[0])
+    targets = _client_targets(model, aligned, weights, layers, batches)
+    report = RefineReport(chosen="merged", fit_examples=fit_examples, select_examples=select_examples)
+
+    candidates: list[tuple[str, Callable[[], Model]]] = [("merged", lambda: dict(merged))]
+
+    def build(use_repair: bool, ridge: float | None, label: str) -> Callable[[], Model]:
+        def make() -> Model:
+            _load(model, merged)
+            recalibrate_batchnorm(model, batches)
+            if use_repair:
+                repair(model, layers, batches, stats())
+                recalibrate_batchnorm(model, batches)
+            if ridge is not None:
+                report.fit_errors[label] = least_squares_refine(model, layers, batches, targets, ridge)
+                recalibrate_batchnorm(model, batches)
+            return _state(model)
+        return make
+
+    cache: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+
+    def stats() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        if "s" not in cache:
+            cache["s"] = _client_neuron_stats(model_scratch, aligned, weights, layers_scratch, batches)
+        return cache["s"]
+
+    # Client statistics need their own forward passes: use a second copy of the module so the
+    # candidate being built is not overwritten.
+    import copy
+
+    model_scratch = copy.deepcopy(model)
+    layers_scratch = [(n, dict(model_scratch.named_modules())[n]) for n, _ in layers]
+    if options.repair:
+        candidates.append(("repair", build(True, None, "repair")))
+    for r in options.ridges:
+        candidates.append((f"ls-r{r:g}", build(False, r, f"ls-r{r:g}")))
+        if options.repair:
+            candidates.append((f"repair+ls-r{r:g}", build(True, r, f"repair+ls-r{r:g}")))
+    if options.client_candidates:
+        for k, c in enumerate(clients):
+            candidates.append((f"client-{k}", lambda c=c: {n: np.asarray(v) for n, v in c.items()}))
+
+    best_name, best_acc, best_model = "", -math.inf, None
+    for name, make in candidates:
+        state = make()
+        acc = _accuracy(_load(model, state), select_batches)
+        report.selection_accuracy[name] = acc
+        if options.keep_candidates:
+            report.candidates[name] = state
+        if log:
+            log(f"    refine candidate {name:18s} selection acc {100 * acc:5.1f}%")
+        if acc > best_acc:
+            best_name, best_acc, best_model = name, acc, state
+    assert best_model is not None
+    report.chosen = best_name
+    report.seconds = time.perf_counter() - start
+    dtypes = {k: np.asarray(v).dtype for k, v in merged.items()}
+    return {k: np.asarray(v).astype(dtypes[k]) for k, v in best_model.items()}, report

@@ -1,0 +1,190 @@
+"""Server-side refinement: least squares, REPAIR, BatchNorm recalibration, fold discipline, sampled Fisher."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fedfiot_flwr.fisher import output_vectors
+from fedfiot_flwr.merge import merge
+from fedfiot_flwr.merge.refine import LayerMoments, NeuronStats, reconstruction_error, repair_rescale, ridge_refit
+from fedfiot_flwr.models import build_model, permutation_spec
+from fedfiot_flwr.server_refine import (
+    RefineOptions,
+    _client_neuron_stats,
+    _client_targets,
+    layer_modules,
+    least_squares_refine,
+    recalibrate_batchnorm,
+    refine_merged_model,
+    repair,
+)
+
+
+def _state(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _clients(k: int = 3, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], nn.Module]:
+    models = [build_model("mlp", (1, 8, 8), 10, seed=seed + i) for i in range(k)]
+    return [_state(m) for m in models], models[0]
+
+
+def _loader(n: int, seed: int, poison: bool = False) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    if poison:
+        x[:] = float("nan")
+    return DataLoader(TensorDataset(x, torch.randint(0, 10, (n,), generator=g)), batch_size=64)
+
+
+# ------------------------------------------------------------------------------- linear algebra
+
+
+def test_ridge_refit_lowers_reconstruction_error_and_tends_to_least_squares() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 12))
+    w_true = rng.normal(size=(5, 12))
+    y = x @ w_true.T + 0.01 * rng.normal(size=(400, 5))
+    mom = LayerMoments(12, 5)
+    mom.add(x[:200], y[:200])
+    mom.add(x[200:], y[200:])
+    w0 = np.zeros((5, 12))
+    w = ridge_refit(mom, w0, ridge=1e-8)
+    assert reconstruction_error(mom, w) < 1e-3 * reconstruction_error(mom, w0)
+    np.testing.assert_allclose(w, np.linalg.lstsq(x, y, rcond=None)[0].T, atol=1e-5)
+    # A huge ridge keeps the merged weights.
+    np.testing.assert_allclose(ridge_refit(mom, w_true * 0.5, ridge=1e9), w_true * 0.5, atol=1e-6)
+    # The moments-based error equals the direct one.
+    assert reconstruction_error(mom, w_true) == pytest.approx(np.mean(np.sum((x @ w_true.T - y) ** 2, 1)), rel=1e-9)
+
+
+def test_layer_moments_reject_non_finite_rows() -> None:
+    mom = LayerMoments(3, 2)
+    with pytest.raises(ValueError, match="non-finite"):
+        mom.add(np.full((4, 3), np.nan), np.zeros((4, 2)))
+    with pytest.raises(ValueError, match="ridge"):
+        ridge_refit(mom, np.zeros((2, 3)), 0.0)
+
+
+def test_repair_rescale_restores_target_statistics() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(500, 6)) + 0.3
+    w, b = rng.normal(size=(4, 6)), rng.normal(size=4)
+    stats = NeuronStats(4)
+    stats.add(x @ w.T + b)
+    target_mean, target_std = np.array([0.5, -1.0, 2.0, 0.0]), np.array([1.0, 0.5, 3.0, 2.0])
+    w2, b2 = repair_rescale(w, b, stats, target_mean, target_std)
+    z = x @ w2.T + b2
+    np.testing.assert_allclose(z.mean(0), target_mean, atol=1e-9)
+    np.testing.assert_allclose(z.std(0), target_std, atol=1e-9)
+    # Bias-free: the std is restored, the mean only scaled.
+    w3, none = repair_rescale(w, None, stats, target_mean, target_std)
+    assert none is None
+    np.testing.assert_allclose((x @ w3.T).std(0), target_std, rtol=1e-9)
+
+
+# ----------------------------------------------------------------------------------- torch side
+
+
+def test_repair_restores_per_neuron_statistics_of_a_merged_mlp() -> None:
+    clients, model = _clients()
+    merged = {k: np.mean([c[k] for c in clients], axis=0) for k in clients[0]}
+    batches = [next(iter(_loader(256, 3)))[0]]
+    layers = layer_modules(model, batches[0])
+    scratch = build_model("mlp", (1, 8, 8), 10)
+    targets = _client_neuron_stats(scratch, clients, [1 / 3] * 3, layer_modules(scratch, batches[0]), batches)
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in merged.items()})
+    before = _client_neuron_stats(model, [merged], [1.0], layers, batches)
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in merged.items()})
+    repair(model, layers, batches, targets)
+    after = _client_neuron_stats(model, [_state(model)], [1.0], layers, batches)
+    for name, _ in layers[:-1]:  # hidden layers only
+        gap_before = np.abs(before[name][1] - targets[name][1]).max()
+        np.testing.assert_allclose(after[name][0], targets[name][0], atol=1e-4)
+        np.testing.assert_allclose(after[name][1], targets[name][1], atol=1e-4)
+        assert gap_before > 1e-2  # there was something to repair
+
+
+def test_least_squares_refine_lowers_every_layer_error_on_the_fitting_fold() -> None:
+    clients, model = _clients()
+    merged = {k: np.mean([c[k] for c in clients], axis=0) for k in clients[0]}
+    batches = [x for x, _ in _loader(300, 4)]
+    layers = layer_modules(model, batches[0])
+    scratch = build_model("mlp", (1, 8, 8), 10)
+    targets = _client_targets(scratch, clients, [1 / 3] * 3, layer_modules(scratch, batches[0]), batches)
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in merged.items()})
+    errors = least_squares_refine(model, layers, batches, targets, ridge=1e-3)
+    before, after = errors[0::2], errors[1::2]
+    assert len(before) == len(layers)
+    assert all(a < b for a, b in zip(after, before))
+
+
+def test_refinement_never_fits_on_the_selection_fold() -> None:
+    clients, model = _clients()
+    spec = permutation_spec(model)
+    fishers = [{k: np.ones_like(v) for k, v in c.items()} for c in clients]
+    res = merge(clients, fishers, spec, reference=0)
+    opts = RefineOptions(ridges=(1e-2,), repair=True, client_candidates=False, keep_candidates=True)
+    fit = _loader(200, 5)
+    clean, rep_clean = refine_merged_model(res.model, clients, model, fit, _loader(100, 6), spec=spec,
+                                           permutations=res.permutations, options=opts)
+    # NaN in every selection example: a fit that touched it would raise (non-finite rows).
+    _, rep_poison = refine_merged_model(res.model, clients, model, fit, _loader(100, 6, poison=True), spec=spec,
+                                        permutations=res.permutations, options=opts)
+    for name in ("repair", "ls-r0.01", "repair+ls-r0.01"):
+        for k, v in rep_clean.candidates[name].items():
+            assert np.all(np.isfinite(v))
+            np.testing.assert_array_equal(v, rep_poison.candidates[name][k])
+    assert rep_clean.fit_examples == 200 and rep_clean.select_examples == 100
+    assert set(clean) == set(res.model)
+
+
+def test_refine_offers_clients_and_picks_the_best_on_selection() -> None:
+    clients, model = _clients()
+    merged = {k: np.zeros_like(v) for k, v in clients[0].items()}  # a useless merge
+    x = torch.randn(120, 1, 8, 8, generator=torch.Generator().manual_seed(7))
+    teacher = build_model("mlp", (1, 8, 8), 10, seed=1)
+    teacher.load_state_dict({k: torch.as_tensor(v) for k, v in clients[1].items()})
+    y = teacher(x).argmax(1).detach()  # client 1 is right on every selection example
+    select = DataLoader(TensorDataset(x, y), batch_size=64)
+    out, rep = refine_merged_model(merged, clients, model, _loader(100, 8), select,
+                                   options=RefineOptions(ridges=(), client_candidates=True))
+    assert rep.chosen == "client-1" and rep.selection_accuracy["client-1"] == 1.0
+    np.testing.assert_array_equal(out["fc1.weight"], clients[1]["fc1.weight"])
+
+
+def test_refine_rejects_mismatched_permutations() -> None:
+    clients, model = _clients()
+    spec = permutation_spec(model)
+    with pytest.raises(ValueError, match="entries for 3 clients"):
+        refine_merged_model(clients[0], clients, model, _loader(50, 1), _loader(50, 2), spec=spec,
+                            permutations={"P0": [np.arange(128)] * 2})
+
+
+def test_recalibrate_batchnorm_sets_running_statistics_to_the_data() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
+    x = torch.randn(256, 4, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    assert recalibrate_batchnorm(model, list(torch.split(x, 64)))
+    with torch.no_grad():
+        h = model[0](x)
+    torch.testing.assert_close(model[1].running_mean, h.mean(0), atol=1e-5, rtol=1e-5)
+    assert not recalibrate_batchnorm(nn.Sequential(nn.Linear(2, 2)), [x[:, :2]])
+
+
+def test_sampled_fisher_vectors_estimate_the_true_fisher() -> None:
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 0.5, -1.0]]).repeat(40000, 1)
+    labels = torch.zeros(40000, dtype=torch.long)
+    v = output_vectors(logits, labels, "sampled")
+    assert v.shape == (40000, 1, 3)
+    sampled = torch.einsum("bri,brj->ij", v, v) / v.shape[0]
+    t = output_vectors(logits[:1], labels[:1], "true")
+    true = torch.einsum("bri,brj->ij", t, t)
+    torch.testing.assert_close(sampled, true, atol=5e-3, rtol=0)
+    # Not the empirical Fisher of the observed label.
+    e = output_vectors(logits[:1], labels[:1], "empirical")
+    assert (torch.einsum("bri,brj->ij", e, e) - true).abs().max() > 0.05
