@@ -35,6 +35,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
+from benchmarks import server_methods as S  # noqa: E402
+
+H.METHOD_LABELS.update(S.LABELS)
 from fedfiot_flwr.data import DatasetUnavailableError, canonical_name  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
 
@@ -68,6 +71,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fisher-kind", choices=("true", "empirical"), default="true",
                    help="Fisher of the FedFisher baselines (default: true, as FedFisher's code; 'empirical' "
                         "makes fedfisher-diag reuse FedFiOT's uploads)")
+    p.add_argument("--refine-ridges", nargs="+", type=float, default=list(S.DEFAULT_REFINE.ridges),
+                   help="relative ridges of fedfiot-refined's least-squares candidates")
+    p.add_argument("--refine-augment", type=int, default=S.DEFAULT_REFINE.augment_copies,
+                   help="augmented copies of the fitting fold for fedfiot-refined")
+    p.add_argument("--refine-repair", action=argparse.BooleanOptionalAction, default=S.DEFAULT_REFINE.repair,
+                   help="offer REPAIR candidates in fedfiot-refined")
     p.add_argument("--grid", choices=sorted(H.GRIDS), default="paper",
                    help="rho x lam grid of FedFiOT and the ablations (paper: 6 x 3; small: 3 x 2; tiny: 1 x 2)")
     p.add_argument("--no-broadcast-reference", action="store_true",
@@ -128,8 +137,8 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, state: dict[str, A
         "upload_seconds_this_run": load_seconds,
         "client_train_accuracy": [m.get("train-accuracy") for m in uploads.quantized.metrics],
     }
-    plans = H.method_plans([m for m in args.methods if m not in H.CURVATURE_METHODS], setting.init, args.grid,
-                           not args.no_broadcast_reference)
+    plans = H.method_plans([m for m in args.methods if m not in H.CURVATURE_METHODS + S.SERVER_DATA_METHODS],
+                           setting.init, args.grid, not args.no_broadcast_reference)
     merge_total = test_total = 0.0
     records = []
     for plan in plans:
@@ -173,6 +182,13 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, state: dict[str, A
         log(f"  {method:13s} test {100 * cres.test_accuracy:5.1f}%  val {100 * cres.validation_accuracy:5.1f}%  "
             f"{H.knob_text(cres.knobs):32s} upload {cres.upload_bytes / cres.fedavg_bytes:.2f}x FedAvg  "
             f"curvature {cres.curvature_seconds:.1f}s  merge {cres.merge_seconds:.1f}s")
+    server_methods = [m for m in args.methods if m in S.SERVER_DATA_METHODS]
+    if server_methods:
+        for rec in S.run_server_methods(server_methods, setting, split, uploads, build, spec, buffers, ev,
+                                        S.refine_options(args, setting), args.grid,
+                                        None if args.no_cache else args.cache_dir, state["device"], log):
+            merge_total += float(rec.get("sweep_seconds", 0.0))
+            records.append({**base, "fraction_permuted": 0.0, "alignment_fraction_permuted": 0.0, **rec})
     summary.update(merge_sweep_seconds=merge_total, test_seconds=test_total)
     return {"summary": summary, "records": records}
 
@@ -216,6 +232,10 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
         "## Targets of issue 6",
         "",
         targets(payload, methods),
+        "",
+        "## The proposed default (FedFiOT + server refinement) against every rival",
+        "",
+        S.default_targets(payload),
         "",
         "## Validation accuracy of the chosen knobs",
         "",
@@ -374,13 +394,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "methods": list(args.methods),
         "grid": args.grid,
-        "grids": {p.name: p.knobs() for p in H.method_plans([m for m in args.methods if m not in H.CURVATURE_METHODS],
+        "grids": {p.name: p.knobs() for p in H.method_plans([m for m in args.methods
+                                                             if m not in H.CURVATURE_METHODS + S.SERVER_DATA_METHODS],
                                                             "shared", args.grid, not args.no_broadcast_reference)},
         "settings": [], "records": [], "skipped": [],
     }
     for m in args.methods:
         if m in H.CURVATURE_METHODS:
             payload["grids"][m] = H.curvature_knobs(m, args.fedfisher_steps, args.fisher_kind)
+        if m in S.SERVER_DATA_METHODS:
+            payload["grids"][m] = S.knobs_text(m, S.refine_options(args, None))
     state: dict[str, Any] = {"device": default_device()}
     args.out.mkdir(parents=True, exist_ok=True)
     for dataset in args.datasets:

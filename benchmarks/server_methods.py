@@ -177,3 +177,80 @@ def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch
         "merge_seconds": merge_seconds, "refine_seconds": report.seconds,
         "sweep_seconds": merge_seconds + report.seconds, "fold_sizes": [report.fit_examples, report.select_examples],
     }
+
+
+DEFAULT_REFINE = RefineOptions(ridges=(1e-2, 1e-1), repair=False, client_candidates=True, augment_copies=0)
+"""The refinement the proposed default runs (see docs/one_shot_analysis.md for why these knobs)."""
+
+RIVALS = ("fedavg", "fisher-merge", "otfusion", "wb-fusion", "regmean", "fedfisher-diag", "fedfisher-kfac",
+          "best-single-client")
+"""Methods the proposed default must beat by 2 points (FedFiOT's own presets and ablations are not rivals)."""
+
+
+def refine_options(args: Any, setting: H.Setting | None) -> RefineOptions:
+    """The benchmark's refinement options from ``one_shot.py``'s arguments (seeded by the setting)."""
+    return replace(DEFAULT_REFINE, ridges=tuple(args.refine_ridges), augment_copies=int(args.refine_augment),
+                   repair=bool(args.refine_repair), seed=0 if setting is None else setting.seed)
+
+
+def knobs_text(method: str, options: RefineOptions) -> str:
+    """Grid description of a server-data method (for the results page)."""
+    if method == "fedfiot-refined":
+        return (f"FedFiOT default grid (no FedAvg candidate) chosen on the 250-example selection fold; then "
+                f"least squares at relative ridges {list(options.ridges)}"
+                + (", REPAIR" if options.repair else "")
+                + (f", {options.augment_copies} augmented copies" if options.augment_copies else "")
+                + " fitted on the other 250 examples; merged / refined / each client chosen on the selection fold")
+    if method == "best-single-client":
+        return "the client with the best accuracy on all 500 validation examples"
+    if method == "centralized":
+        return "one model on the union of the clients' data, same epochs, batch size, lr and initialisation"
+    return "none"
+
+
+def run_server_methods(methods: Sequence[str], setting: H.Setting, split: FederatedSplit, uploads: H.Uploads,
+                       build: Callable[[], torch.nn.Module], spec: PermutationSpec, buffers: Sequence[str],
+                       ev: H.Evaluator, options: RefineOptions, grid: str, cache_dir: Path | None,
+                       device: torch.device | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Records of the requested server-data methods on one setting."""
+    out = floors_and_ceilings(uploads, build, ev, methods)
+    if "centralized" in methods:
+        out.append(centralized(setting, split, uploads, ev, cache_dir, device))
+    if "fedfiot-refined" in methods:
+        sel_ev = selection_evaluator(split, build, device)
+        out.append(refined(uploads, split, build, spec, buffers, ev, sel_ev, options, grid, setting.init))
+    for r in out:
+        log(f"  {r['method']:18s} test {100 * r['test_accuracy']:5.1f}%  {H.knob_text(r.get('knobs', {}))} "
+            f"{r['knobs'].get('refinement', '')}")
+    return out
+
+
+def _cell(recs: Sequence[Mapping[str, Any]], method: str, col: tuple[Any, ...]) -> list[Mapping[str, Any]]:
+    return [r for r in recs if r["method"] == method and (r["dataset"], r["alpha"], r["init"], r["epochs"]) == col]
+
+
+def default_targets(payload: Mapping[str, Any], ours: str = "fedfiot-refined", margin: float = 0.02) -> str:
+    """Markdown: per column, the proposed default against the best rival (mean over seeds) and the best client."""
+    recs = payload["records"]
+    if not any(r["method"] == ours for r in recs):
+        return "(no fedfiot-refined rows)"
+    lines = ["| setting | seeds | proposed default | best rival | rival | margin (points) | >= best rival + 2 "
+             "| never below best single client (per seed) |", "|---|---|---|---|---|---|---|---|"]
+    for col in H.setting_columns(recs):
+        mine = _cell(recs, ours, col)
+        if not mine:
+            continue
+        mu = float(np.mean([r["test_accuracy"] for r in mine]))
+        rivals = {m: float(np.mean([r["test_accuracy"] for r in _cell(recs, m, col)]))
+                  for m in RIVALS if _cell(recs, m, col)}
+        best_m = max(rivals, key=rivals.get) if rivals else "–"
+        best = rivals.get(best_m, math.nan)
+        per_seed = all(
+            r["test_accuracy"] >= next((b["test_accuracy"] for b in _cell(recs, "best-single-client", col)
+                                        if b["seed"] == r["seed"]), -1.0)
+            for r in mine)
+        lines.append(f"| {H.column_label(col)} | {len(mine)} | {100 * mu:.1f} | {100 * best:.1f} | "
+                     f"{H.METHOD_LABELS.get(best_m, best_m)} | {100 * (mu - best):+.1f} | "
+                     f"{'yes' if mu - best >= margin - 1e-12 else '**no**'} | {'yes' if per_seed else '**no**'} |")
+    lines += ["", "Rivals: " + ", ".join(H.METHOD_LABELS.get(m, m) for m in RIVALS) + " (those present in the run)."]
+    return "\n".join(lines)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,7 @@ __all__ = [
 
 Model = dict[str, np.ndarray]
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+TARGET_WEIGHTS = ("uniform", "size", "label")
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,24 @@ class RefineOptions:
         the selection fold).
     augment_copies : int
         Augmented copies of every fitting example added to the fitting inputs (0: none).
-    target_weights : {"uniform", "size"}
-        How the clients' layer outputs are averaged into the target.
+    target_weights : {"uniform", "size", "label"}
+        How the clients' layer outputs are averaged into the target: equally, by client size,
+        or per fitting example by each client's probability of the example's label.
     seed : int
         Seed of the augmentation.
     keep_candidates : bool
         Keep every candidate model in the report (for measurements).
+    finetune_epochs : int
+        When > 0, also offer the merge and the best refined candidate fine-tuned on the
+        fitting fold (:func:`distill_finetune`), the epoch count picked on the selection fold
+        (early stopping: every epoch's checkpoint is a candidate).
+    finetune_lr : float
+        SGD learning rate (momentum 0.9) of the fine-tuning.
+    distill_weight : float
+        Weight of the distillation term (ensemble of the aligned clients' logits as teacher);
+        ``1 - distill_weight`` goes to cross-entropy on the fitting fold's labels.
+    temperature : float
+        Distillation temperature.
     """
 
     ridges: tuple[float, ...] = (1e-2, 1e-1)
@@ -86,6 +99,10 @@ class RefineOptions:
     target_weights: str = "uniform"
     seed: int = 0
     keep_candidates: bool = False
+    finetune_epochs: int = 0
+    finetune_lr: float = 0.01
+    distill_weight: float = 0.5
+    temperature: float = 2.0
 
 
 @dataclass
@@ -219,10 +236,11 @@ class _Capture:
 
 
 def augment_inputs(x: torch.Tensor, copies: int, generator: torch.Generator) -> torch.Tensor:
-    """``x`` followed by ``copies`` augmented copies (random shift of up to 2 pixels, horizontal flip, mixup).
+    """``x`` followed by ``copies`` label-preserving augmented copies.
 
-    Images ``(B, C, H, W)`` get all three; other inputs get mixup only. Labels are not needed:
-    the refinement fits activations, not classes.
+    Images ``(B, C, H, W)``: a random shift of up to 2 pixels per copy and a horizontal flip of
+    a random half of the examples; other inputs: Gaussian noise of 5% of the input's std.
+    Copy ``j`` of example ``i`` is row ``(j + 1) * B + i`` and keeps example ``i``'s label.
     """
     if copies <= 0:
         return x
@@ -234,29 +252,62 @@ def augment_inputs(x: torch.Tensor, copies: int, generator: torch.Generator) -> 
             z = torch.roll(z, shifts=(dy, dx), dims=(2, 3))
             flip = torch.rand(z.shape[0], generator=generator) < 0.5
             z[flip] = z[flip].flip(3)
-        lam = 0.5 + 0.5 * torch.rand(z.shape[0], generator=generator)
-        partner = z[torch.randperm(z.shape[0], generator=generator)]
-        lam = lam.reshape((-1,) + (1,) * (z.ndim - 1))
-        out.append(lam * z + (1 - lam) * partner)
+        else:
+            z = z + 0.05 * float(x.std()) * torch.randn(z.shape, generator=generator)
+        out.append(z)
     return torch.cat(out)
 
 
-def _collect_inputs(loader: Iterable[Any], copies: int, seed: int, batch: int = 500) -> list[torch.Tensor]:
-    xs = [split_batch(b)[0].float() for b in loader]
+def _collect_fit(loader: Iterable[Any], copies: int, seed: int,
+                 batch: int = 500) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The fitting rows (augmented) in batches, and their labels in the same batches."""
+    xs, ys = [], []
+    for b in loader:
+        x, y = split_batch(b)
+        xs.append(x.float())
+        ys.append(y.long())
     if not xs:
         raise ValueError("the refinement's fitting loader yields no examples")
     x = augment_inputs(torch.cat(xs), copies, torch.Generator().manual_seed(seed))
-    return list(torch.split(x, batch))
+    y = torch.cat(ys).repeat(1 + max(copies, 0))
+    return list(torch.split(x, batch)), list(torch.split(y, batch))
 
 
 # ----------------------------------------------------------------------------- statistics
 
 
+def _example_weights(
+    model: nn.Module, clients: Sequence[Model], batches: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
+    mode: str, sizes: Sequence[float] | None,
+) -> list[list[torch.Tensor]]:
+    """Per client and batch, each row's weight in the target average (rows sum to 1 over clients).
+
+    ``"uniform"``: 1/K; ``"size"``: n_k / n; ``"label"``: client k's probability of the row's
+    true label, normalised over clients (a client is trusted where it knows the class: under
+    a non-IID split a client's features of classes it never saw are noise).
+    """
+    k = len(clients)
+    if mode == "uniform":
+        return [[torch.full((len(x),), 1.0 / k) for x in batches] for _ in clients]
+    if mode == "size":
+        assert sizes is not None
+        tot = float(sum(sizes))
+        return [[torch.full((len(x),), float(n) / tot) for x in batches] for n in sizes]
+    probs: list[list[torch.Tensor]] = []
+    with torch.no_grad():
+        for client in clients:
+            _load(model, client).eval()
+            probs.append([torch.softmax(model(x), 1).gather(1, y[:, None]).squeeze(1) + 1e-3
+                          for x, y in zip(batches, labels)])
+    totals = [sum(p[i] for p in probs) for i in range(len(batches))]
+    return [[p[i] / totals[i] for i in range(len(batches))] for p in probs]
+
+
 def _client_targets(
-    model: nn.Module, clients: Sequence[Model], weights: Sequence[float], layers: Sequence[tuple[str, nn.Module]],
-    batches: Sequence[torch.Tensor],
+    model: nn.Module, clients: Sequence[Model], weights: Sequence[Sequence[torch.Tensor]],
+    layers: Sequence[tuple[str, nn.Module]], batches: Sequence[torch.Tensor],
 ) -> list[dict[str, torch.Tensor]]:
-    """Per batch and layer, the weighted mean of the (aligned) clients' layer outputs."""
+    """Per batch and layer, the weighted mean of the (aligned) clients' layer outputs (per-row weights)."""
     targets: list[dict[str, torch.Tensor]] = [{} for _ in batches]
     cap = _Capture(layers, inputs=False, outputs=True)
     try:
@@ -266,7 +317,8 @@ def _client_targets(
                 for i, x in enumerate(batches):
                     model(x)
                     for name, _ in layers:
-                        y = cap.outputs[name] * wk
+                        out = cap.outputs[name]
+                        y = out * wk[i].reshape((-1,) + (1,) * (out.ndim - 1))
                         targets[i][name] = y if name not in targets[i] else targets[i][name] + y
     finally:
         cap.close()
@@ -387,6 +439,47 @@ def recalibrate_batchnorm(model: nn.Module, batches: Sequence[torch.Tensor]) -> 
     return True
 
 
+def distill_finetune(
+    model: nn.Module, batches: Sequence[torch.Tensor], labels: torch.Tensor, teacher: Sequence[torch.Tensor],
+    options: RefineOptions,
+) -> Iterable[tuple[int, Model]]:
+    """Fine-tune ``model`` in place on the fitting rows; yields ``(epoch, state)`` after every other epoch.
+
+    The loss is ``distill_weight * T^2 KL(softmax(teacher / T) || softmax(model / T))`` on every
+    fitting row (augmented copies included; ``teacher`` is the mean of the aligned clients'
+    logits on the same rows) plus ``(1 - distill_weight)`` times cross-entropy on the
+    un-augmented rows, whose labels are ``labels`` (the first ``len(labels)`` rows). Plain
+    SGD with momentum 0.9, batch 50, rows reshuffled every epoch (seeded).
+    """
+    x = torch.cat(list(batches))
+    t = torch.cat(list(teacher))
+    n_lab = labels.shape[0]
+    if x.shape[0] < n_lab or t.shape[0] != x.shape[0]:
+        raise ValueError(f"fine-tuning: {x.shape[0]} rows, {t.shape[0]} teacher rows, {n_lab} labels")
+    has_label = torch.zeros(x.shape[0], dtype=torch.bool)
+    has_label[:n_lab] = True
+    y = torch.zeros(x.shape[0], dtype=torch.long)
+    y[:n_lab] = labels
+    opt = torch.optim.SGD(model.parameters(), lr=options.finetune_lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(options.seed + 1)
+    temp, beta = options.temperature, options.distill_weight
+    soft = torch.softmax(t / temp, dim=1)
+    for epoch in range(1, options.finetune_epochs + 1):
+        model.train()
+        for idx in torch.split(torch.randperm(x.shape[0], generator=gen), 50):
+            out = model(x[idx])
+            kd = F.kl_div(F.log_softmax(out / temp, dim=1), soft[idx], reduction="batchmean") * temp * temp
+            lab = has_label[idx]
+            ce = F.cross_entropy(out[lab], y[idx][lab]) if bool(lab.any()) else out.sum() * 0.0
+            loss = beta * kd + (1 - beta) * ce
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        if epoch % 2 == 0 or epoch == options.finetune_epochs:
+            yield epoch, _state(model)
+
+
 def _accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
     correct = seen = 0
     model.eval()
@@ -454,8 +547,8 @@ def refine_merged_model(
     start = time.perf_counter()
     if not clients:
         raise ValueError("refine_merged_model needs at least one client model")
-    if options.target_weights not in ("uniform", "size"):
-        raise ValueError(f"target_weights must be 'uniform' or 'size', got {options.target_weights!r}")
+    if options.target_weights not in TARGET_WEIGHTS:
+        raise ValueError(f"target_weights must be one of {TARGET_WEIGHTS}, got {options.target_weights!r}")
     aligned: list[Model] = []
     for k, c in enumerate(clients):
         missing = [n for n in merged if n not in c]
@@ -470,20 +563,19 @@ def refine_merged_model(
             aligned.append(apply_permutations(dict(c), spec, perms))
         else:
             aligned.append({n: np.asarray(v) for n, v in c.items()})
+    if options.target_weights == "size" and (num_examples is None or len(num_examples) != len(clients)):
+        raise ValueError("target_weights='size' needs num_examples for every client")
+    weights = [1.0 / len(clients)] * len(clients)  # REPAIR's statistics: plain client average
     if options.target_weights == "size":
-        if num_examples is None or len(num_examples) != len(clients):
-            raise ValueError("target_weights='size' needs num_examples for every client")
-        tot = float(sum(num_examples))
-        weights = [float(n) / tot for n in num_examples]
-    else:
-        weights = [1.0 / len(clients)] * len(clients)
+        weights = [float(n) / float(sum(num_examples)) for n in num_examples]  # type: ignore[arg-type]
 
-    batches = _collect_inputs(fit_loader, options.augment_copies, options.seed)
+    batches, fit_labels = _collect_fit(fit_loader, options.augment_copies, options.seed)
     fit_examples = sum(len(b) for b in batches) // (1 + max(options.augment_copies, 0))
     select_batches = [(split_batch(b)[0].float(), split_batch(b)[1]) for b in select_loader]
     select_examples = sum(len(y) for _, y in select_batches)
     layers = layer_modules(model, batches[0])
-    targets = _client_targets(model, aligned, weights, layers, batches)
+    row_weights = _example_weights(model, aligned, batches, fit_labels, options.target_weights, num_examples)
+    targets = _client_targets(model, aligned, row_weights, layers, batches)
     report = RefineReport(chosen="merged", fit_examples=fit_examples, select_examples=select_examples)
 
     candidates: list[tuple[str, Callable[[], Model]]] = [("merged", lambda: dict(merged))]
@@ -520,13 +612,17 @@ def refine_merged_model(
         candidates.append((f"ls-r{r:g}", build(False, r, f"ls-r{r:g}")))
         if options.repair:
             candidates.append((f"repair+ls-r{r:g}", build(True, r, f"repair+ls-r{r:g}")))
+    if options.finetune_epochs > 0:
+        teacher = [t[layers[-1][0]] for t in targets]
     if options.client_candidates:
         for k, c in enumerate(clients):
             candidates.append((f"client-{k}", lambda c=c: {n: np.asarray(v) for n, v in c.items()}))
 
     best_name, best_acc, best_model = "", -math.inf, None
-    for name, make in candidates:
-        state = make()
+    best_refined: tuple[float, str, Model] | None = None
+
+    def consider(name: str, state: Model) -> None:
+        nonlocal best_name, best_acc, best_model, best_refined
         acc = _accuracy(_load(model, state), select_batches)
         report.selection_accuracy[name] = acc
         if options.keep_candidates:
@@ -535,6 +631,24 @@ def refine_merged_model(
             log(f"    refine candidate {name:18s} selection acc {100 * acc:5.1f}%")
         if acc > best_acc:
             best_name, best_acc, best_model = name, acc, state
+        if not name.startswith("client-") and name != "merged" and (best_refined is None or acc > best_refined[0]):
+            best_refined = (acc, name, state)
+
+    for name, make in candidates:
+        if name.startswith("client-") and options.finetune_epochs > 0:
+            starts = [("merged", dict(merged))] + ([best_refined[1:]] if best_refined is not None else [])
+            for start_name, start_state in starts:
+                _load(model, start_state)
+                for epoch, state in distill_finetune(model, batches, torch.cat(fit_labels), teacher, options):
+                    consider(f"ft{epoch}({start_name})", state)
+            options = replace(options, finetune_epochs=0)  # once, before the first client candidate
+        consider(name, make())
+    if options.finetune_epochs > 0:  # no client candidates: fine-tune at the end
+        starts = [("merged", dict(merged))] + ([best_refined[1:]] if best_refined is not None else [])
+        for start_name, start_state in starts:
+            _load(model, start_state)
+            for epoch, state in distill_finetune(model, batches, torch.cat(fit_labels), teacher, options):
+                consider(f"ft{epoch}({start_name})", state)
     assert best_model is not None
     report.chosen = best_name
     report.seconds = time.perf_counter() - start

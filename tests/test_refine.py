@@ -115,7 +115,8 @@ def test_least_squares_refine_lowers_every_layer_error_on_the_fitting_fold() -> 
     batches = [x for x, _ in _loader(300, 4)]
     layers = layer_modules(model, batches[0])
     scratch = build_model("mlp", (1, 8, 8), 10)
-    targets = _client_targets(scratch, clients, [1 / 3] * 3, layer_modules(scratch, batches[0]), batches)
+    weights = [[torch.full((len(x),), 1 / 3) for x in batches] for _ in clients]
+    targets = _client_targets(scratch, clients, weights, layer_modules(scratch, batches[0]), batches)
     model.load_state_dict({k: torch.as_tensor(v) for k, v in merged.items()})
     errors = least_squares_refine(model, layers, batches, targets, ridge=1e-3)
     before, after = errors[0::2], errors[1::2]
