@@ -71,7 +71,8 @@ class RefineOptions:
         Also offer each client's own model (so the result is never below the best client on
         the selection fold).
     augment_copies : int
-        Augmented copies of every fitting example added to the fitting inputs (0: none).
+        Augmented copies of every fitting example added to the fine-tuning rows (0: none);
+        least squares and REPAIR use the fitting examples as they are.
     target_weights : {"uniform", "size", "label"}
         How the clients' layer outputs are averaged into the target: equally, by client size,
         or per fitting example by each client's probability of the example's label.
@@ -445,11 +446,12 @@ def distill_finetune(
 ) -> Iterable[tuple[int, Model]]:
     """Fine-tune ``model`` in place on the fitting rows; yields ``(epoch, state)`` after every other epoch.
 
-    The loss is ``distill_weight * T^2 KL(softmax(teacher / T) || softmax(model / T))`` on every
-    fitting row (augmented copies included; ``teacher`` is the mean of the aligned clients'
-    logits on the same rows) plus ``(1 - distill_weight)`` times cross-entropy on the
-    un-augmented rows, whose labels are ``labels`` (the first ``len(labels)`` rows). Plain
-    SGD with momentum 0.9, batch 50, rows reshuffled every epoch (seeded).
+    The loss is ``distill_weight * T^2 KL(softmax(teacher / T) || softmax(model / T))``
+    (``teacher``: the clients' mean logits on the same rows) plus ``(1 - distill_weight)``
+    times cross-entropy on ``labels`` (the first ``len(labels)`` rows; augmented copies keep
+    their example's label). SGD with momentum 0.9, batch 50, gradient norm clipped at 5,
+    rows reshuffled every epoch (seeded). Stops early (yielding nothing more) if the loss
+    stops being finite.
     """
     x = torch.cat(list(batches))
     t = torch.cat(list(teacher))
@@ -472,8 +474,11 @@ def distill_finetune(
             lab = has_label[idx]
             ce = F.cross_entropy(out[lab], y[idx][lab]) if bool(lab.any()) else out.sum() * 0.0
             loss = beta * kd + (1 - beta) * ce
+            if not bool(torch.isfinite(loss)):
+                return
             opt.zero_grad()
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
         model.eval()
         if epoch % 2 == 0 or epoch == options.finetune_epochs:
@@ -569,8 +574,8 @@ def refine_merged_model(
     if options.target_weights == "size":
         weights = [float(n) / float(sum(num_examples)) for n in num_examples]  # type: ignore[arg-type]
 
-    batches, fit_labels = _collect_fit(fit_loader, options.augment_copies, options.seed)
-    fit_examples = sum(len(b) for b in batches) // (1 + max(options.augment_copies, 0))
+    batches, fit_labels = _collect_fit(fit_loader, 0, options.seed)
+    fit_examples = sum(len(b) for b in batches)
     select_batches = [(split_batch(b)[0].float(), split_batch(b)[1]) for b in select_loader]
     select_examples = sum(len(y) for _, y in select_batches)
     layers = layer_modules(model, batches[0])
@@ -613,7 +618,12 @@ def refine_merged_model(
         if options.repair:
             candidates.append((f"repair+ls-r{r:g}", build(True, r, f"repair+ls-r{r:g}")))
     if options.finetune_epochs > 0:
-        teacher = [t[layers[-1][0]] for t in targets]
+        # Fine-tuning rows: the fitting fold plus its augmented copies; teacher = the
+        # label-weighted (or plain) mean of the aligned clients' logits on the same rows.
+        ft_batches, ft_labels = _collect_fit(fit_loader, options.augment_copies, options.seed)
+        ft_weights = _example_weights(model, aligned, ft_batches, ft_labels, options.target_weights, num_examples)
+        teacher = [t[layers[-1][0]] for t in _client_targets(model, aligned, ft_weights, layers[-1:], ft_batches)]
+        ft_y = torch.cat(ft_labels)
     if options.client_candidates:
         for k, c in enumerate(clients):
             candidates.append((f"client-{k}", lambda c=c: {n: np.asarray(v) for n, v in c.items()}))
@@ -639,7 +649,7 @@ def refine_merged_model(
             starts = [("merged", dict(merged))] + ([best_refined[1:]] if best_refined is not None else [])
             for start_name, start_state in starts:
                 _load(model, start_state)
-                for epoch, state in distill_finetune(model, batches, torch.cat(fit_labels), teacher, options):
+                for epoch, state in distill_finetune(model, ft_batches, ft_y, teacher, options):
                     consider(f"ft{epoch}({start_name})", state)
             options = replace(options, finetune_epochs=0)  # once, before the first client candidate
         consider(name, make())
@@ -647,7 +657,7 @@ def refine_merged_model(
         starts = [("merged", dict(merged))] + ([best_refined[1:]] if best_refined is not None else [])
         for start_name, start_state in starts:
             _load(model, start_state)
-            for epoch, state in distill_finetune(model, batches, torch.cat(fit_labels), teacher, options):
+            for epoch, state in distill_finetune(model, ft_batches, ft_y, teacher, options):
                 consider(f"ft{epoch}({start_name})", state)
     assert best_model is not None
     report.chosen = best_name

@@ -1,0 +1,95 @@
+"""Combine several ``one_shot.py`` result files (same uploads, different method subsets or cells) into one page.
+
+Each input is a JSON payload written by ``benchmarks/one_shot.py``; records are concatenated
+(a later file's record replaces an earlier one with the same method, cell and seed), settings
+are merged per cell and seed (times summed), and the markdown page, JSON and plot are
+rendered with ``one_shot.py``'s own functions.
+
+    .venv/bin/python benchmarks/combine_results.py runs/*.json --name one_shot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import harness as H  # noqa: E402
+from benchmarks import one_shot  # noqa: E402
+
+ROW_ORDER = (
+    "fedavg", "fisher-merge", "otfusion", "wb-fusion", "ablation-b", "ablation-c", "ablation-d", "regmean",
+    "fedfisher-diag", "fedfisher-kfac", "fedfiot", "fedfiot-fp32", "fedfiot-default", "fedfiot-own",
+    "fedfiot-refined", "best-single-client", "mean-client", "ensemble", "centralized",
+)
+
+
+def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """One payload holding every record and setting of ``payloads`` (later files win on duplicates)."""
+    records: dict[tuple[Any, ...], dict[str, Any]] = {}
+    settings: dict[tuple[Any, ...], dict[str, Any]] = {}
+    grids: dict[str, Any] = {}
+    commands, methods = [], []
+    for p in payloads:
+        commands.append(p["command"])
+        grids.update(p.get("grids", {}))
+        for r in p["records"]:
+            records[(r["method"], r["dataset"], r["alpha"], r["init"], r["epochs"], r["seed"])] = r
+            if r["method"] not in methods:
+                methods.append(r["method"])
+        for s in p["settings"]:
+            key = (s["dataset"], s["alpha"], s["init"], s["epochs"], s["seed"])
+            if key in settings:
+                settings[key]["merge_sweep_seconds"] += s["merge_sweep_seconds"]
+                settings[key]["test_seconds"] += s["test_seconds"]
+            else:
+                settings[key] = dict(s)
+    sums = list(settings.values())
+    wall = sum(p["timing"]["wall_seconds"] for p in payloads)
+    ordered = sorted(records.values(), key=lambda r: (r["epochs"], r["alpha"], r["init"] != "shared", r["seed"]))
+    return {
+        "command": " ; ".join(commands),
+        "machine": payloads[-1]["machine"],
+        "started": min(p["started"] for p in payloads),
+        "methods": [m for m in ROW_ORDER if m in methods] + [m for m in methods if m not in ROW_ORDER],
+        "grid": payloads[-1].get("grid"),
+        "grids": grids,
+        "settings": sums,
+        "records": ordered,
+        "skipped": sum((p.get("skipped", []) for p in payloads), []),
+        "timing": {
+            "wall_seconds": wall,
+            "train_seconds": sum(s["train_seconds"] for s in sums),
+            "fisher_seconds": sum(s["fisher_seconds"] for s in sums),
+            "merge_sweep_seconds": sum(s["merge_sweep_seconds"] for s in sums),
+            "test_seconds": sum(s["test_seconds"] for s in sums),
+            "cached_settings": sum(bool(s["cached"]) for s in sums),
+            "complete": True,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, default=H.RESULTS_DIR)
+    p.add_argument("--name", default="one_shot")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    payload = combine([json.loads(f.read_text()) for f in args.inputs])
+    rows = [m for m in payload["methods"] if m != "fedfiot-own"]
+    methods = one_shot.table_methods(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    H.write_json(args.out / f"{args.name}.json", payload)
+    (args.out / f"{args.name}.md").write_text(one_shot.markdown(payload, methods))
+    if not args.no_plots:
+        one_shot.plot(payload, methods, args.out, args.name)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
