@@ -75,6 +75,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="relative ridges of fedfiot-refined's least-squares candidates")
     p.add_argument("--refine-augment", type=int, default=S.DEFAULT_REFINE.augment_copies,
                    help="augmented copies of the fitting fold for fedfiot-refined")
+    p.add_argument("--refine-finetune-epochs", type=int, default=S.DEFAULT_REFINE.finetune_epochs,
+                   help="fine-tuning epochs of fedfiot-refined (0: least squares only)")
     p.add_argument("--refine-repair", action=argparse.BooleanOptionalAction, default=S.DEFAULT_REFINE.repair,
                    help="offer REPAIR candidates in fedfiot-refined")
     p.add_argument("--grid", choices=sorted(H.GRIDS), default="paper",

@@ -179,7 +179,7 @@ def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch
     }
 
 
-DEFAULT_REFINE = RefineOptions(ridges=(1e-2, 1e-1), repair=False, client_candidates=True, augment_copies=0)
+DEFAULT_REFINE = RefineOptions()
 """The refinement the proposed default runs (see docs/one_shot_analysis.md for why these knobs)."""
 
 RIVALS = ("fedavg", "fisher-merge", "otfusion", "wb-fusion", "regmean", "fedfisher-diag", "fedfisher-kfac",
@@ -190,7 +190,8 @@ RIVALS = ("fedavg", "fisher-merge", "otfusion", "wb-fusion", "regmean", "fedfish
 def refine_options(args: Any, setting: H.Setting | None) -> RefineOptions:
     """The benchmark's refinement options from ``one_shot.py``'s arguments (seeded by the setting)."""
     return replace(DEFAULT_REFINE, ridges=tuple(args.refine_ridges), augment_copies=int(args.refine_augment),
-                   repair=bool(args.refine_repair), seed=0 if setting is None else setting.seed)
+                   repair=bool(args.refine_repair), finetune_epochs=int(args.refine_finetune_epochs),
+                   seed=0 if setting is None else setting.seed)
 
 
 def knobs_text(method: str, options: RefineOptions) -> str:
@@ -198,9 +199,12 @@ def knobs_text(method: str, options: RefineOptions) -> str:
     if method == "fedfiot-refined":
         return (f"FedFiOT default grid (no FedAvg candidate) chosen on the 250-example selection fold; then "
                 f"least squares at relative ridges {list(options.ridges)}"
+                + f" toward the clients' outputs weighted per example by '{options.target_weights}'"
                 + (", REPAIR" if options.repair else "")
-                + (f", {options.augment_copies} augmented copies" if options.augment_copies else "")
-                + " fitted on the other 250 examples; merged / refined / each client chosen on the selection fold")
+                + (f", then up to {options.finetune_epochs} epochs of distillation + cross-entropy fine-tuning "
+                   f"({options.augment_copies} augmented copies)" if options.finetune_epochs else "")
+                + ", all fitted on the other 250 examples; merged / refined / fine-tuned checkpoints / each client "
+                  "chosen on the selection fold")
     if method == "best-single-client":
         return "the client with the best accuracy on all 500 validation examples"
     if method == "centralized":

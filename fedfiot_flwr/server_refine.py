@@ -81,9 +81,10 @@ class RefineOptions:
     keep_candidates : bool
         Keep every candidate model in the report (for measurements).
     finetune_epochs : int
-        When > 0, also offer the merge and the best refined candidate fine-tuned on the
-        fitting fold (:func:`distill_finetune`), the epoch count picked on the selection fold
-        (early stopping: every epoch's checkpoint is a candidate).
+        When > 0, also offer the merge (or the best least-squares / REPAIR candidate, when it
+        scores better on the selection fold) fine-tuned on the fitting fold
+        (:func:`distill_finetune`); every other epoch's checkpoint is a candidate, so the
+        selection fold picks the epoch count (early stopping).
     finetune_lr : float
         SGD learning rate (momentum 0.9) of the fine-tuning.
     distill_weight : float
@@ -96,11 +97,11 @@ class RefineOptions:
     ridges: tuple[float, ...] = (1e-2, 1e-1)
     repair: bool = False
     client_candidates: bool = True
-    augment_copies: int = 0
-    target_weights: str = "uniform"
+    augment_copies: int = 3
+    target_weights: str = "label"
     seed: int = 0
     keep_candidates: bool = False
-    finetune_epochs: int = 0
+    finetune_epochs: int = 10
     finetune_lr: float = 0.01
     distill_weight: float = 0.5
     temperature: float = 2.0
@@ -644,21 +645,23 @@ def refine_merged_model(
         if not name.startswith("client-") and name != "merged" and (best_refined is None or acc > best_refined[0]):
             best_refined = (acc, name, state)
 
+    def finetune() -> None:
+        # One start: the merge or the best least-squares/REPAIR candidate, whichever scores
+        # better on the selection fold; every other epoch's checkpoint is a candidate.
+        start_name, start_state = "merged", dict(merged)
+        if best_refined is not None and best_refined[0] > report.selection_accuracy["merged"]:
+            start_name, start_state = best_refined[1], best_refined[2]
+        _load(model, start_state)
+        for epoch, state in distill_finetune(model, ft_batches, ft_y, teacher, options):
+            consider(f"ft{epoch}({start_name})", state)
+
     for name, make in candidates:
         if name.startswith("client-") and options.finetune_epochs > 0:
-            starts = [("merged", dict(merged))] + ([best_refined[1:]] if best_refined is not None else [])
-            for start_name, start_state in starts:
-                _load(model, start_state)
-                for epoch, state in distill_finetune(model, ft_batches, ft_y, teacher, options):
-                    consider(f"ft{epoch}({start_name})", state)
+            finetune()
             options = replace(options, finetune_epochs=0)  # once, before the first client candidate
         consider(name, make())
     if options.finetune_epochs > 0:  # no client candidates: fine-tune at the end
-        starts = [("merged", dict(merged))] + ([best_refined[1:]] if best_refined is not None else [])
-        for start_name, start_state in starts:
-            _load(model, start_state)
-            for epoch, state in distill_finetune(model, ft_batches, ft_y, teacher, options):
-                consider(f"ft{epoch}({start_name})", state)
+        finetune()
     assert best_model is not None
     report.chosen = best_name
     report.seconds = time.perf_counter() - start

@@ -129,14 +129,17 @@ def test_refinement_never_fits_on_the_selection_fold() -> None:
     spec = permutation_spec(model)
     fishers = [{k: np.ones_like(v) for k, v in c.items()} for c in clients]
     res = merge(clients, fishers, spec, reference=0)
-    opts = RefineOptions(ridges=(1e-2,), repair=True, client_candidates=False, keep_candidates=True)
+    opts = RefineOptions(ridges=(1e-2,), repair=True, client_candidates=False, keep_candidates=True,
+                         finetune_epochs=2, augment_copies=1)
     fit = _loader(200, 5)
     clean, rep_clean = refine_merged_model(res.model, clients, model, fit, _loader(100, 6), spec=spec,
                                            permutations=res.permutations, options=opts)
     # NaN in every selection example: a fit that touched it would raise (non-finite rows).
     _, rep_poison = refine_merged_model(res.model, clients, model, fit, _loader(100, 6, poison=True), spec=spec,
                                         permutations=res.permutations, options=opts)
-    for name in ("repair", "ls-r0.01", "repair+ls-r0.01"):
+    tuned = [n for n in rep_clean.candidates if n.startswith("ft")]
+    assert tuned  # fine-tuned checkpoints were offered
+    for name in ("repair", "ls-r0.01", "repair+ls-r0.01", *tuned):
         for k, v in rep_clean.candidates[name].items():
             assert np.all(np.isfinite(v))
             np.testing.assert_array_equal(v, rep_poison.candidates[name][k])
@@ -153,7 +156,7 @@ def test_refine_offers_clients_and_picks_the_best_on_selection() -> None:
     y = teacher(x).argmax(1).detach()  # client 1 is right on every selection example
     select = DataLoader(TensorDataset(x, y), batch_size=64)
     out, rep = refine_merged_model(merged, clients, model, _loader(100, 8), select,
-                                   options=RefineOptions(ridges=(), client_candidates=True))
+                                   options=RefineOptions(ridges=(), client_candidates=True, finetune_epochs=0))
     assert rep.chosen == "client-1" and rep.selection_accuracy["client-1"] == 1.0
     np.testing.assert_array_equal(out["fc1.weight"], clients[1]["fc1.weight"])
 
