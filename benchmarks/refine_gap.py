@@ -4,8 +4,11 @@ For each setting, the uploads of ``benchmarks/one_shot.py`` are loaded from the 
 if absent) and FedFiOT's default merge is computed with its knobs chosen on the selection fold
 (250 of the 500 validation examples). Then, each on the fitting fold (the other 250) only:
 
+- ``uniform`` group: REPAIR and least squares toward the plain mean of the aligned clients' outputs;
 - ``repair``: REPAIR's per-neuron rescaling (bias-free layers: scale only);
-- ``ls-r<r>``: least-squares refinement toward the aligned clients' mean outputs, ridge r;
+- ``ls-r<r>``: least-squares refinement toward the label-weighted mean of the aligned clients'
+  outputs, ridge r;
+- ``finetune`` group: distillation + cross-entropy fine-tuning checkpoints;
 - ``repair+ls-r<r>``: both;
 - ``aug-ls-r<r>``: least squares on the fitting fold plus augmented copies (shift, flip, mixup);
 - ``noalign-ls-r<r>``: least squares from the identity (unaligned) merge;
@@ -76,8 +79,14 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[
             add(name, variant, model, report.selection_accuracy[variant], per,
                 fit_errors=report.fit_errors.get(variant), chosen=report.chosen)
 
-    common = dict(client_candidates=False, keep_candidates=True, seed=setting.seed)
+    common = dict(client_candidates=False, keep_candidates=True, seed=setting.seed, finetune_epochs=0,
+                  target_weights="label")
+    group("uniform", outcome.model, perms,
+          RefineOptions(ridges=ridges, repair=True, **{**common, "target_weights": "uniform"}))
     group("aligned", outcome.model, perms, RefineOptions(ridges=ridges, repair=True, **common))
+    if args.finetune_epochs:
+        group("finetune", outcome.model, perms,
+              RefineOptions(ridges=ridges[-1:], **{**common, "finetune_epochs": args.finetune_epochs}))
     if args.augment:
         group("augmented", outcome.model, perms,
               RefineOptions(ridges=ridges, repair=False, augment_copies=args.augment, **common))
@@ -146,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--ridges", nargs="+", type=float, default=[1e-3, 1e-2, 1e-1, 1.0])
     p.add_argument("--augment", type=int, default=3, help="augmented copies for the 'augmented' group (0: skip)")
     p.add_argument("--bary-iters", type=int, default=2)
+    p.add_argument("--finetune-epochs", type=int, default=10)
     p.add_argument("--grid", default="small")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=H.RESULTS_DIR)
