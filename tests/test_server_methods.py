@@ -1,0 +1,46 @@
+"""Benchmark rows that use server data: fold split, the target table, and combining result files."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks import combine_results
+from benchmarks import server_methods as S
+
+
+def test_validation_folds_are_disjoint_halves() -> None:
+    fit, sel = S.validation_folds(500)
+    assert len(fit) == len(sel) == 250
+    assert not set(fit.tolist()) & set(sel.tolist())
+    assert sorted(np.concatenate([fit, sel]).tolist()) == list(range(500))
+
+
+def _rec(method: str, acc: float, seed: int = 0, init: str = "shared") -> dict:
+    return {"method": method, "dataset": "fashion-mnist", "alpha": 0.1, "init": init, "epochs": 5, "seed": seed,
+            "test_accuracy": acc, "validation_accuracy": acc, "knobs": {}}
+
+
+def test_default_targets_flags_a_missed_margin_and_a_seed_below_the_best_client() -> None:
+    recs = [_rec("fedfiot-refined", 0.80), _rec("regmean", 0.79), _rec("best-single-client", 0.70),
+            _rec("fedfiot-refined", 0.80, init="independent"), _rec("regmean", 0.70, init="independent"),
+            _rec("best-single-client", 0.81, init="independent")]
+    rows = [line for line in S.default_targets({"records": recs}).splitlines() if line.startswith("| fashion")]
+    shared, independent = rows
+    assert "+1.0 | **no** | yes" in shared  # RegMean + 1 point: margin missed
+    assert "-1.0 | **no** | **no**" in independent  # below the best single client
+
+
+def test_combine_keeps_the_later_record_of_a_duplicate() -> None:
+    def payload(acc: float, method: str) -> dict:
+        return {"command": "x", "machine": "m", "started": "t", "grids": {}, "skipped": [],
+                "records": [_rec(method, acc)],
+                "settings": [{"dataset": "fashion-mnist", "alpha": 0.1, "init": "shared", "epochs": 5, "seed": 0,
+                              "merge_sweep_seconds": 1.0, "test_seconds": 2.0, "train_seconds": 3.0,
+                              "fisher_seconds": 4.0, "cached": True}],
+                "timing": {"wall_seconds": 5.0}}
+
+    out = combine_results.combine([payload(0.5, "fedavg"), payload(0.6, "fedavg"), payload(0.7, "fedfiot-refined")])
+    accs = {r["method"]: r["test_accuracy"] for r in out["records"]}
+    assert accs == {"fedavg": 0.6, "fedfiot-refined": 0.7}
+    assert out["settings"][0]["merge_sweep_seconds"] == 3.0
+    assert out["methods"] == ["fedavg", "fedfiot-refined"]
