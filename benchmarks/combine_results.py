@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ ROW_ORDER = (
     "fedfiot-refined", "best-single-client", "mean-client", "ensemble", "centralized",
 )
 
+NUMERIC_SUFFIXES = ("accuracy", "loss", "fraction_permuted", "seconds")
+"""Record fields that JSON stores as null when NaN (read back as NaN)."""
+
 
 def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
     """One payload holding every record and setting of ``payloads`` (later files win on duplicates)."""
@@ -38,6 +42,7 @@ def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
         commands.append(p["command"])
         grids.update(p.get("grids", {}))
         for r in p["records"]:
+            r = {k: (math.nan if v is None and k.endswith(NUMERIC_SUFFIXES) else v) for k, v in r.items()}
             records[(r["method"], r["dataset"], r["alpha"], r["init"], r["epochs"], r["seed"])] = r
             if r["method"] not in methods:
                 methods.append(r["method"])

@@ -286,7 +286,8 @@ def targets(payload: dict[str, Any], methods: Sequence[str]) -> str:
     """Check the issue's targets on this run's numbers (mean over seeds, in points)."""
     recs = payload["records"]
     lines = ["| target | setting | margin (points) | met |", "|---|---|---|---|"]
-    baselines = [m for m in methods if m not in ("fedfiot", "fedfiot-fp32", "fedfiot-val", "fedfiot-default", "fedfiot-own")]
+    baselines = [m for m in methods if m not in ("fedfiot", "fedfiot-fp32", "fedfiot-val", "fedfiot-default", "fedfiot-own")
+                 and m not in S.SERVER_DATA_METHODS]
 
     def row(target: str, col: tuple[Any, ...], margin: float, ok: bool) -> None:
         lines.append(f"| {target} | {H.column_label(col)} | {margin:+.1f} | {'yes' if ok else '**no**'} |")
