@@ -119,7 +119,7 @@ def test_kfac_restores_the_model_and_checks_inputs() -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ValueError, match="Fisher kind"):
-        kfac_factors(model, [(x, y)], "sampled")
+        kfac_factors(model, [(x, y)], "monte-carlo")
     with pytest.raises(ValueError, match="nope"):
         kfac_factors(model, [(x, y)], modules=["nope"])
     with pytest.raises(ValueError, match="no examples"):

@@ -212,7 +212,7 @@ def test_dict_batches_and_progress_flag() -> None:
 def test_bad_input() -> None:
     model, x, y = _case("mlp")
     with pytest.raises(ValueError, match="unknown Fisher kind"):
-        diagonal_fisher(model, _batches(x, y), "sampled")
+        diagonal_fisher(model, _batches(x, y), "monte-carlo")
     with pytest.raises(ValueError, match="unknown Fisher method"):
         diagonal_fisher(model, _batches(x, y), method="backpack")
     with pytest.raises(ValueError, match="no examples"):

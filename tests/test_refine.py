@@ -192,3 +192,19 @@ def test_sampled_fisher_vectors_estimate_the_true_fisher() -> None:
     # Not the empirical Fisher of the observed label.
     e = output_vectors(logits[:1], labels[:1], "empirical")
     assert (torch.einsum("bri,brj->ij", e, e) - true).abs().max() > 0.05
+
+
+def test_sampled_kind_reaches_the_diagonal_fisher_and_kfac() -> None:
+    from fedfiot_flwr.curvature import kfac_factors
+    from fedfiot_flwr.fisher import diagonal_fisher
+
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    x, y = next(iter(_loader(64, 9)))
+    torch.manual_seed(0)
+    sampled = diagonal_fisher(model, [(x, y)], "sampled")
+    empirical = diagonal_fisher(model, [(x, y)], "empirical")
+    assert set(sampled) == set(empirical)
+    assert all(bool(torch.all(v >= 0)) for v in sampled.values())
+    assert any(not torch.allclose(sampled[k], empirical[k]) for k in sampled)  # labels drawn, not observed
+    factors = kfac_factors(model, [(x, y)], "sampled")
+    assert factors and all(np.all(np.isfinite(f.G)) for f in factors.values())
