@@ -26,6 +26,7 @@ and more rows than a layer's fan-in.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -599,6 +600,10 @@ def refine_merged_model(
             return _state(model)
         return make
 
+    # REPAIR's client statistics need their own forward passes: a second copy of the module,
+    # so that the candidate being built is not overwritten; computed once, on first use.
+    model_scratch = copy.deepcopy(model)
+    layers_scratch = [(n, dict(model_scratch.named_modules())[n]) for n, _ in layers]
     cache: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
 
     def stats() -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -606,12 +611,6 @@ def refine_merged_model(
             cache["s"] = _client_neuron_stats(model_scratch, aligned, weights, layers_scratch, batches)
         return cache["s"]
 
-    # Client statistics need their own forward passes: use a second copy of the module so the
-    # candidate being built is not overwritten.
-    import copy
-
-    model_scratch = copy.deepcopy(model)
-    layers_scratch = [(n, dict(model_scratch.named_modules())[n]) for n, _ in layers]
     if options.repair:
         candidates.append(("repair", build(True, None, "repair")))
     for r in options.ridges:
