@@ -32,7 +32,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Subset
 from benchmarks import harness as H
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec
-from fedfiot_flwr.selection import merge_round
+from fedfiot_flwr.server.selection import merge_round
 from fedfiot_flwr.server_refine import RefineOptions, refine_merged_model
 from fedfiot_flwr.task import train
 
