@@ -231,7 +231,7 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
         "",
         H.accuracy_table(recs, methods),
         "",
-        "## Targets of issue 6",
+        "## FedFiOT against the published baselines",
         "",
         targets(payload, methods),
         "",
@@ -283,7 +283,7 @@ def _col_mean(recs: Sequence[dict[str, Any]], method: str, col: tuple[Any, ...])
 
 
 def targets(payload: dict[str, Any], methods: Sequence[str]) -> str:
-    """Check the issue's targets on this run's numbers (mean over seeds, in points)."""
+    """Check the benchmark's targets on this run's numbers (mean over seeds, in points)."""
     recs = payload["records"]
     lines = ["| target | setting | margin (points) | met |", "|---|---|---|---|"]
     baselines = [m for m in methods if m not in ("fedfiot", "fedfiot-fp32", "fedfiot-val", "fedfiot-default", "fedfiot-own")

@@ -1,4 +1,4 @@
-"""Diagonal Fisher information of a classifier on a client's local data (SPEC.md, eq. 106).
+"""Diagonal Fisher information of a classifier on a client's local data.
 
 ``diagonal_fisher(model, loader, kind)`` returns, for every named parameter ``theta`` of
 ``model``, the mean over all examples ``n`` of the loader of

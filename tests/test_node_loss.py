@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
-from _fedfiot_helpers import ROOT, SHAPES, SPEC, FakeGrid, live_processes
+from _fedfiot_helpers import ROOT, SHAPES, SPEC, FakeGrid, app_snapshot, live_processes
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fedfiot_flwr import FedFiOT
@@ -48,6 +48,10 @@ def _wait_for_line(path: Path, text: str, timeout: float) -> None:
 
 @pytest.mark.slow
 def test_a_supernode_killed_in_round_1_does_not_stop_the_run(tmp_path: Path) -> None:
+    """A real deployment (one ``flower-superlink``, three ``flower-supernode`` processes, ``flwr
+    run`` against them) that loses a SuperNode in round 1 finishes its three rounds, records the
+    lost node, writes its checkpoint, leaves the app untouched and stops every process by PID."""
+    before = app_snapshot()
     fed = LocalFederation(mode="deployment", num_supernodes=3, workdir=tmp_path / "fed")
     results = tmp_path / "results" / "loss" / "results.json"
     outcome: dict[str, object] = {}
@@ -80,3 +84,10 @@ def test_a_supernode_killed_in_round_1_does_not_stop_the_run(tmp_path: Path) -> 
     for later in data["rounds"][1:]:
         assert sorted(later["clients"]) == sorted(first["clients"]) and later["rejected"] == [], later
     assert data["rounds"][1]["unavailable_nodes"] == [victim]
+    for rnd in data["rounds"]:
+        assert rnd["bytes_received"] > 0 and rnd["test"]["accuracy"] > 0, rnd.get("test")
+    # later rounds may also start from the broadcast model (the previous round's merge)
+    assert {t["reference"] for t in data["rounds"][1]["trials"]} == {"largest", "broadcast"}
+    assert data["final"]["test"]["accuracy"] > data["initial_test"]["accuracy"], (data["final"], data["initial_test"])
+    assert (tmp_path / "results" / "loss" / "checkpoints" / "final.pt").exists()
+    assert app_snapshot() == before
