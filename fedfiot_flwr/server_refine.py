@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfiot_flwr.batchnorm import has_batchnorm, recompute_batchnorm_statistics
 from fedfiot_flwr.merge.refine import LayerMoments, NeuronStats, reconstruction_error, repair_rescale, ridge_refit
 from fedfiot_flwr.merge.spec import PermutationSpec, apply_permutations
 from fedfiot_flwr.task import split_batch
@@ -54,7 +55,6 @@ __all__ = [
 ]
 
 Model = dict[str, np.ndarray]
-_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 TARGET_WEIGHTS = ("uniform", "size", "label")
 
 
@@ -422,23 +422,15 @@ def least_squares_refine(
 
 
 def recalibrate_batchnorm(model: nn.Module, batches: Sequence[torch.Tensor]) -> bool:
-    """Recompute every BatchNorm's running mean/var on ``batches`` (cumulative average); False when there is none."""
-    bns = [m for m in model.modules() if isinstance(m, _BN_TYPES) and m.track_running_stats]
-    if not bns:
+    """Recompute every BatchNorm's running mean/var on ``batches`` (cumulative average) and leave
+    ``model`` in eval mode; False when it has no BatchNorm that tracks statistics.
+
+    A thin wrapper of :func:`fedfiot_flwr.batchnorm.recompute_batchnorm_statistics`.
+    """
+    if not has_batchnorm(model):
         return False
-    momenta = [m.momentum for m in bns]
-    for m in bns:
-        m.reset_running_stats()
-        m.momentum = None
-    model.train()
-    try:
-        with torch.no_grad():
-            for x in batches:
-                model(x)
-    finally:
-        for m, mo in zip(bns, momenta):
-            m.momentum = mo
-        model.eval()
+    recompute_batchnorm_statistics(model, batches)
+    model.eval()
     return True
 
 
