@@ -26,7 +26,7 @@ from flwr.supercore import log
 from fedfiot_flwr.server.aggregators import Aggregator
 from fedfiot_flwr.server.nodes import NodeWaiter
 from fedfiot_flwr.server.rounds import RoundMerger, RoundResult
-from fedfiot_flwr.server.uploads import DUPLICATE_REASON, weighted_mean_metrics
+from fedfiot_flwr.server.uploads import DUPLICATE_REASON
 
 if TYPE_CHECKING:
     import torch
@@ -251,4 +251,4 @@ class MergeStrategy(FedAvg):
             return self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         except (KeyError, TypeError, ValueError) as exc:
             log(WARNING, "train_metrics_aggr_fn failed (%s); using the example-weighted mean", exc)
-            return _metric_record(weighted_mean_metrics(result.uploads.metrics, result.uploads.num_examples))
+            return _metric_record(result.report["client_train_metrics"])  # the same mean, already in the report
