@@ -10,6 +10,7 @@ Run with ``flwr run .`` (see the README); every knob is a ``[tool.flwr.app.confi
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from logging import INFO
@@ -19,7 +20,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from fedfiot_flwr.app_config import AppConfig
 from fedfiot_flwr.models import permutation_spec
@@ -120,26 +121,28 @@ def fedfiot_config(cfg: AppConfig) -> FedFiOTConfig:
     return FedFiOTConfig.named(
         cfg.preset, rho=cfg.rho, lam=cfg.lam, reference=cfg.reference_value(), fisher_scaling=cfg.fisher_scaling,
         max_iters=cfg.max_iters, matching=cfg.matching, aggregation=cfg.aggregation,
-        selection=cfg.fallback or base.selection, sweep=sweep,
+        selection=cfg.fallback or base.selection, sweep=sweep, refine=base.refine if cfg.server_refine else None,
     )
 
 
 def build_strategy(
     cfg: AppConfig,
     model: torch.nn.Module,
-    validate_fn: ValidateFn | None,
+    validation: Dataset[Any] | None,
     min_train: int,
+    device: torch.device | None = None,
 ) -> MergeStrategy:
     """The strategy the ``strategy`` key names, with the run's sampling.
 
-    ``fedfiot``: :class:`~fedfiot_flwr.FedFiOT` with :func:`fedfiot_config`; ``fedfisher-kfac`` /
+    ``fedfiot``: :class:`~fedfiot_flwr.FedFiOT` with :func:`fedfiot_config` and the validation set
+    as its ``server_data`` (the default preset refines on it); ``fedfisher-kfac`` /
     ``fedfisher-diag``: :class:`~fedfiot_flwr.FedFisherStrategy` (``fedfisher-steps``,
     ``fisher-kind``); ``regmean``: :class:`~fedfiot_flwr.RegMeanStrategy`. All select their knobs
-    on ``validate_fn`` and compute FedAvg of the same uploads next to their own model.
+    on the validation set and compute FedAvg of the same uploads next to their own model.
     """
+    has_data = validation is not None and len(validation) > 0  # type: ignore[arg-type]
     common: dict[str, Any] = dict(
         model=model,
-        validate_fn=validate_fn,
         fraction_train=cfg.fraction_train,
         fraction_evaluate=cfg.fraction_evaluate,
         min_train_nodes=min_train,
@@ -149,7 +152,13 @@ def build_strategy(
         node_wait_s=cfg.node_wait_s,  # a lost SuperNode must not stop the later rounds
     )
     if cfg.strategy == "fedfiot":
-        return FedFiOT(spec=permutation_spec(model), config=fedfiot_config(cfg), **common)
+        return FedFiOT(spec=permutation_spec(model), config=fedfiot_config(cfg),
+                       server_data=validation if has_data else None, **common)
+    validate_fn: ValidateFn | None = None
+    if has_data:
+        validate_fn = make_validate_fn(copy.deepcopy(model), DataLoader(validation, batch_size=512),  # type: ignore[arg-type]
+                                       device)
+    common["validate_fn"] = validate_fn
     if cfg.strategy in ("fedfisher-kfac", "fedfisher-diag"):
         return FedFisherStrategy(
             cfg.strategy.removeprefix("fedfisher-"), steps=cfg.fedfisher_steps, fisher_kind=cfg.client_fisher_kind(),
@@ -166,13 +175,10 @@ def main(grid: Grid, context: Context) -> None:
     split = cfg.split()
     model = cfg.build_model(split)
     eval_model = cfg.build_model(split)
-    validate_fn = None
-    if len(split.validation) > 0:
-        validate_fn = make_validate_fn(eval_model, DataLoader(split.validation, batch_size=512), device)
     test_fn = _evaluator(cfg, eval_model, DataLoader(split.test, batch_size=512), device)
     min_train = max(1, round(cfg.fraction_train * cfg.num_partitions))
 
-    strategy = build_strategy(cfg, model, validate_fn, min_train)
+    strategy = build_strategy(cfg, model, split.validation, min_train, device)
     recorder = RunRecorder.create(cfg.results_dir, cfg.default_run_name(), {"app": cfg.as_dict()})
     log(INFO, "FedFiOT app (%s): %s; results in %s", type(strategy).__name__, json.dumps(cfg.as_dict()),
         recorder.run_dir)

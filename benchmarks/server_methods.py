@@ -32,6 +32,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Subset
 from benchmarks import harness as H
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec
+from fedfiot_flwr.server.refinement import split_folds
 from fedfiot_flwr.server.selection import merge_round
 from fedfiot_flwr.server_refine import RefineOptions, refine_merged_model
 from fedfiot_flwr.task import train
@@ -44,20 +45,13 @@ LABELS = {
     "centralized": "Centralized (union of the clients' data)",
     "fedfiot-refined": "FedFiOT default + server refinement (proposed default)",
 }
-FOLD_SEED = 0
-
 Model = dict[str, np.ndarray]
 
 
-def validation_folds(n: int, seed: int = FOLD_SEED) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint (fitting, selection) positions into the validation set: a seeded half/half split."""
-    order = np.random.default_rng(seed).permutation(n)
-    return np.sort(order[: n // 2]), np.sort(order[n // 2:])
-
-
 def fold_loaders(split: FederatedSplit, batch_size: int = 500) -> tuple[DataLoader, DataLoader]:
-    """DataLoaders of the fitting and selection folds of the server validation set."""
-    fit, sel = validation_folds(len(split.validation))
+    """DataLoaders of the fitting and selection folds of the server validation set (the strategy's
+    own split, :func:`fedfiot_flwr.server.refinement.split_folds`)."""
+    fit, sel = split_folds(len(split.validation))
     return (DataLoader(Subset(split.validation, fit.tolist()), batch_size=batch_size),
             DataLoader(Subset(split.validation, sel.tolist()), batch_size=batch_size))
 
@@ -65,7 +59,7 @@ def fold_loaders(split: FederatedSplit, batch_size: int = 500) -> tuple[DataLoad
 def selection_evaluator(split: FederatedSplit, build: Callable[[], torch.nn.Module],
                         device: torch.device | None = None) -> H.Evaluator:
     """An :class:`~benchmarks.harness.Evaluator` whose ``validate`` sees the selection fold only."""
-    _, sel = validation_folds(len(split.validation))
+    _, sel = split_folds(len(split.validation))
     return H.Evaluator(replace(split, validation=Subset(split.validation, sel.tolist())), build, device)
 
 

@@ -247,12 +247,24 @@ def test_bad_options_are_rejected() -> None:
 def test_strategy_key_builds_the_right_server_strategy() -> None:
     import server_app
 
+    from torch.utils.data import TensorDataset
+
+    from fedfiot_flwr.server.refinement import ServerRefinement
+
     model = Tiny()
+    validation = TensorDataset(torch.randn(20, 4), torch.randint(0, 3, (20,)))
     built = {}
     for key in ("fedfiot", "fedfisher-kfac", "fedfisher-diag", "regmean"):
         cfg = AppConfig.from_run_config({"strategy": key, "num-partitions": 3, "fedfisher-steps": 50})
-        built[key] = server_app.build_strategy(cfg, model, _validate, 3)
+        built[key] = server_app.build_strategy(cfg, model, validation, 3)
     assert type(built["fedfiot"]) is FedFiOT
+    # FedFiOT's default preset refines on the validation set; the baselines select on all of it.
+    assert isinstance(built["fedfiot"].aggregator.refiner, ServerRefinement)
+    assert all(built[k].validate_fn is not None for k in ("fedfisher-kfac", "fedfisher-diag", "regmean"))
+    no_refine = AppConfig.from_run_config({"num-partitions": 3, "server-refine": False})
+    assert server_app.build_strategy(no_refine, model, validation, 3).aggregator.refiner is None
+    paper = AppConfig.from_run_config({"num-partitions": 3, "preset": "paper"})
+    assert server_app.build_strategy(paper, model, validation, 3).fedfiot_config.refine is None
     kfac, diag = built["fedfisher-kfac"].aggregator, built["fedfisher-diag"].aggregator
     assert isinstance(built["fedfisher-kfac"], FedFisherStrategy) and kfac.variant == "kfac"
     assert diag.variant == "diag" and diag.steps == 50

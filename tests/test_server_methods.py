@@ -8,8 +8,18 @@ from benchmarks import combine_results
 from benchmarks import server_methods as S
 
 
-def test_validation_folds_are_disjoint_halves() -> None:
-    fit, sel = S.validation_folds(500)
+def test_the_benchmark_folds_are_the_strategys_folds() -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from fedfiot_flwr.server.refinement import split_folds
+
+    split = SimpleNamespace(validation=TensorDataset(torch.arange(500)))
+    fit_loader, sel_loader = S.fold_loaders(split)  # type: ignore[arg-type]
+    fit, sel = split_folds(500)
+    assert fit_loader.dataset.indices == fit.tolist() and sel_loader.dataset.indices == sel.tolist()
     assert len(fit) == len(sel) == 250
     assert not set(fit.tolist()) & set(sel.tolist())
     assert sorted(np.concatenate([fit, sel]).tolist()) == list(range(500))

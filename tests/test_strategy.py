@@ -206,8 +206,11 @@ def test_without_validation_one_rule_is_announced_once(caplog) -> None:
 def test_paper_and_default_configurations_differ_only_where_documented() -> None:
     paper, default = FedFiOTConfig.paper(), FedFiOTConfig.default()
     differ = {k for k, v in paper.as_dict().items() if default.as_dict()[k] != v}
-    assert differ == {"name", "selection", "sweep", "fedavg_candidate", "fisher_cap"}
-    assert paper.fisher_cap is None  # the paper weighs the Fishers as uploaded
+    assert differ == {"name", "selection", "sweep", "fedavg_candidate", "fisher_cap", "refine"}
+    assert paper.fisher_cap is None and paper.refine is None  # the paper weighs the Fishers as uploaded
+    # The refinement needs labelled server data; with it, its candidates replace the FedAvg candidate.
+    assert default.with_server_data(False).refine is None and default.with_server_data(False).fedavg_candidate
+    assert not default.with_server_data(True).fedavg_candidate and default.without_validation().refine is None
     assert paper.selection == "objective" and not paper.fedavg_candidate
     assert paper.sweep == SweepGrid() and paper.fisher_scaling == "none"
     assert default.without_validation().selection == "objective"

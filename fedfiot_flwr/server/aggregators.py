@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.selection import Candidate, merge_round
 from fedfiot_flwr.server.uploads import CollectedUploads
+
+if TYPE_CHECKING:
+    from fedfiot_flwr.server_refine import RefineReport
 
 __all__ = [
     "AggregateOutcome",
@@ -39,6 +42,10 @@ __all__ = [
 
 Model = dict[str, np.ndarray]
 Validate = Callable[[Model], Mapping[str, float] | None]
+Refiner = Callable[[Model, Sequence[Model], Mapping[str, Sequence[np.ndarray]] | None, Sequence[int]],
+                   tuple[Model, "RefineReport"]]
+"""``(merged, client models, permutations or None, client sizes) -> (model, report)``
+(:class:`fedfiot_flwr.server.refinement.ServerRefinement`)."""
 
 FEDFISHER_VARIANTS = ("kfac", "diag")
 FISHER_KINDS = ("true", "empirical")
@@ -148,15 +155,21 @@ class FedFiOTAggregator:
         Which axes of which tensors move together.
     config : FedFiOTConfig
         Merge options and selection (already resolved for the presence of validation data).
+    refiner : callable, optional
+        Server refinement applied to every round's merge when ``config.refine`` is set
+        (:class:`~fedfiot_flwr.server.refinement.ServerRefinement`).
     """
 
     label = "FedFiOT"
     reply_kind = "fisher"
     fisher_kind: str | None = None
 
-    def __init__(self, spec: PermutationSpec, config: FedFiOTConfig) -> None:
+    def __init__(self, spec: PermutationSpec, config: FedFiOTConfig, refiner: Refiner | None = None) -> None:
+        if config.refine is not None and refiner is None:
+            raise ValueError("config.refine is set but no refiner was given (the strategy builds one from server_data)")
         self.spec = spec
         self.settings = config
+        self.refiner = refiner if config.refine is not None else None
 
     def config(self) -> dict[str, Any]:
         """The FedFiOT configuration."""
@@ -224,18 +237,35 @@ class FedFiOTAggregator:
                 alt_val["fedfiot-own"] = dict(outcome.own_validation)
         chosen = {"rho": cand.rho, "lam": cand.lam, "reference": cand.reference,
                   "fisher_scaling": cand.fisher_scaling, "variant": outcome.variant}
-        return AggregateOutcome(outcome.model, chosen, metrics, record, outcome.validation, alternatives, alt_val,
-                                outcome.seconds)
+        model, validation, seconds = outcome.model, outcome.validation, outcome.seconds
+        if self.refiner is not None:
+            perms = res.permutations if outcome.variant == "aligned" else None
+            model, rep = self.refiner(outcome.model, uploads.weights, perms, uploads.num_examples)
+            validation = None  # a new model: the round validates what it returns
+            seconds += rep.seconds
+            chosen["refinement"] = rep.chosen
+            alternatives["fedfiot-unrefined"] = outcome.model
+            if outcome.validation is not None:
+                alt_val["fedfiot-unrefined"] = dict(outcome.validation)
+            metrics["refine-seconds"] = float(rep.seconds)
+            metrics["refine-selection-accuracy"] = float(rep.selection_accuracy[rep.chosen])
+            metrics["refine-kept-merge"] = int(rep.chosen == "merged")
+            record["refinement"] = {"chosen": rep.chosen, "selection_accuracy": rep.selection_accuracy,
+                                    "fit_examples": rep.fit_examples, "select_examples": rep.select_examples,
+                                    "seconds": rep.seconds}
+        return AggregateOutcome(model, chosen, metrics, record, validation, alternatives, alt_val, seconds)
 
 
 def describe_fedfiot_choice(chosen: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
     """One log line about what the merge kept, e.g. ``kept the aligned merge (alignment moved 12% of neurons)``."""
     moved = 100 * float(np.mean(metrics.get("alignment-moved-fraction") or [0.0]))
     variant = chosen.get("variant")
+    refined = f"; server refinement returned {chosen['refinement']}" if "refinement" in chosen else ""
     if variant == "aligned":
-        return f"kept the aligned merge (alignment moved {moved:.0f}% of neurons)"
+        return f"kept the aligned merge (alignment moved {moved:.0f}% of neurons){refined}"
     if variant == "identity":
-        return f"kept the identity merge, no alignment (the discarded alignment would have moved {moved:.0f}% of neurons)"
+        return (f"kept the identity merge, no alignment (the discarded alignment would have moved {moved:.0f}% "
+                f"of neurons){refined}")
     return "kept FedAvg of the same uploads (it validated best; FedFiOT's own merge is reported next to it)"
 
 

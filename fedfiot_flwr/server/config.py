@@ -10,7 +10,14 @@ Two named configurations:
   whichever of the aligned merge, the identity merge and FedAvg of the same uploads validates
   best, and tries the Fisher scaled by client size in the grid; FedFiOT's own merge is always
   reported next to a FedAvg win, and no client's Fisher may exceed ``DEFAULT_FISHER_CAP`` times the
-  clients' median (robust weighting). Without validation data its merge rule is the paper's.
+  clients' median (robust weighting). With labelled server data (the strategy's ``server_data``)
+  it also refines each round's merge on the server (``refine``, see
+  :mod:`fedfiot_flwr.server.refinement`): the data is split into a fitting and a selection fold,
+  the merge's knobs are chosen on the selection fold, and the refinement's candidates (the merge,
+  least-squares refits, fine-tuning checkpoints, each client's model) are fitted on the fitting
+  fold and chosen on the selection fold. The refinement's candidates replace FedAvg as the safety
+  net, so FedAvg is then not a merge candidate (it is still reported next to the result).
+  Without validation data its merge rule is the paper's.
 
 Without a ``validate_fn`` every configuration merges once per round with its own ``(rho, lam,
 reference, fisher_scaling)`` and the paper's identity rule (:meth:`FedFiOTConfig.without_validation`).
@@ -25,6 +32,7 @@ from fedfiot_flwr.merge import FISHER_SCALINGS
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
 from fedfiot_flwr.merge.validate import check_options
 from fedfiot_flwr.server.selection import FALLBACKS, REFERENCES, SweepGrid
+from fedfiot_flwr.server_refine import RefineOptions
 
 __all__ = ["FedFiOTConfig", "SELECTIONS"]
 
@@ -65,6 +73,10 @@ class FedFiOTConfig:
     fisher_cap : float or None
         Robust weighting: no client's Fisher may exceed this factor (>= 1) times the clients'
         median (:func:`fedfiot_flwr.merge.robust.cap_fishers`); ``None`` or 0: as uploaded.
+    refine : RefineOptions or None
+        Server refinement of every round's merge on labelled server data
+        (:class:`~fedfiot_flwr.server.refinement.ServerRefinement`); ``None``: no refinement.
+        It runs only when the strategy gets ``server_data``.
     """
 
     name: str = "custom"
@@ -80,6 +92,7 @@ class FedFiOTConfig:
     fedavg_candidate: bool = False
     selection_metric: str = "accuracy"
     fisher_cap: float | None = None
+    refine: RefineOptions | None = None
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
@@ -103,7 +116,7 @@ class FedFiOTConfig:
     def default(cls, **changes: Any) -> FedFiOTConfig:
         """This project's default: validation chooses among aligned, identity and FedAvg of the same uploads."""
         base = cls(name="default", selection="validation", sweep=SweepGrid(fisher_scalings=("none", "size")),
-                   fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP)
+                   fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP, refine=RefineOptions())
         return replace(base, **changes)
 
     @classmethod
@@ -116,7 +129,16 @@ class FedFiOTConfig:
     def without_validation(self) -> FedFiOTConfig:
         """What runs when the server has no validation data: one merge per round, the paper's identity rule."""
         selection = "objective" if self.selection == "validation" else self.selection
-        return replace(self, selection=selection, sweep=None, fedavg_candidate=False)
+        return replace(self, selection=selection, sweep=None, fedavg_candidate=False, refine=None)
+
+    def with_server_data(self, has_server_data: bool) -> FedFiOTConfig:
+        """What runs with (or without) labelled server data: the refinement needs it; with the
+        refinement on, FedAvg is not a merge candidate (the refinement's candidates are the net)."""
+        if self.refine is None:
+            return self
+        if not has_server_data:
+            return replace(self, refine=None)
+        return replace(self, fedavg_candidate=False)
 
     def describe_without_validation(self) -> str | None:
         """The one start-up notice for a run without ``validate_fn`` (``None`` when nothing changes)."""
@@ -129,6 +151,8 @@ class FedFiOTConfig:
                            f"reference={self.reference}, fisher_scaling={self.fisher_scaling}")
         if self.fedavg_candidate:
             dropped.append("FedAvg of the same uploads is not a candidate")
+        if self.refine is not None:
+            dropped.append("no server refinement (it needs labelled server_data)")
         if not dropped:
             return None
         return f"FedFiOT config {self.name!r} without a validate_fn: " + "; ".join(dropped) + "."
@@ -137,4 +161,6 @@ class FedFiOTConfig:
         """JSON-ready view."""
         out = asdict(self)
         out["sweep"] = None if self.sweep is None else {k: list(v) for k, v in asdict(self.sweep).items()}
+        if self.refine is not None:
+            out["refine"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.refine).items()}
         return out

@@ -26,17 +26,17 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg
 from flwr.supercore import log
 
-from fedfiot_flwr.merge import PermutationSpec, spec_from_module
-from fedfiot_flwr.server.aggregators import FedFiOTAggregator
+from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.rounds import RoundMerger
 from fedfiot_flwr.server.shell import ValidateFn, buffers_of
-from fedfiot_flwr.server.strategies import resolve_config
+from fedfiot_flwr.server.strategies import fedfiot_aggregator
 from fedfiot_flwr.server.uploads import DUPLICATE_REASON
 from fedfiot_flwr.wire import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
 
 if TYPE_CHECKING:
     import torch
+    from torch.utils.data import Dataset
 
 __all__ = ["FedFiOTLegacy", "fitres_to_reply", "ndarrays_to_reply", "reply_to_ndarrays"]
 
@@ -46,7 +46,7 @@ class FedFiOTLegacy(FedAvg):
 
     Parameters
     ----------
-    spec, model, config, validate_fn, buffers, min_valid_replies, fedavg_baseline
+    spec, model, config, validate_fn, server_data, buffers, min_valid_replies, fedavg_baseline
         As in :class:`fedfiot_flwr.FedFiOT`.
     names : sequence of str, optional
         State-dict key order of the global parameter list (default: ``model.state_dict()``
@@ -62,6 +62,7 @@ class FedFiOTLegacy(FedAvg):
         *,
         config: FedFiOTConfig | None = None,
         validate_fn: ValidateFn | None = None,
+        server_data: Dataset[Any] | None = None,
         names: Sequence[str] | None = None,
         buffers: Sequence[str] | None = None,
         min_valid_replies: int | None = None,
@@ -69,15 +70,11 @@ class FedFiOTLegacy(FedAvg):
         **fedavg_options: Any,
     ) -> None:
         FedAvg.__init__(self, **fedavg_options)
-        if spec is None and model is not None:
-            spec = spec_from_module(model)
-        if spec is None:
-            raise ValueError("FedFiOTLegacy needs a permutation spec: pass model=<torch module> or spec=...")
+        spec, self.fedfiot_config, aggregator, validate_fn = fedfiot_aggregator(
+            spec, model, config, validate_fn, server_data, label="FedFiOTLegacy")
         self.spec = spec
-        self.fedfiot_config = resolve_config(config if config is not None else FedFiOTConfig.default(),
-                                             validate_fn is not None)
         self.merger = RoundMerger(
-            FedFiOTAggregator(spec, self.fedfiot_config),
+            aggregator,
             buffers=tuple(buffers) if buffers is not None else buffers_of(model),
             validate_fn=validate_fn,
             min_valid_replies=max(1, self.min_fit_clients) if min_valid_replies is None else min_valid_replies,
