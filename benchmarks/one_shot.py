@@ -235,7 +235,7 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
         "",
         targets(payload, methods),
         "",
-        "## The proposed default (FedFiOT + server refinement) against every rival",
+        "## The default preset (FedFiOT merge + server refinement) against every rival",
         "",
         S.default_targets(payload),
         "",

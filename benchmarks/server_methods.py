@@ -32,6 +32,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Subset
 from benchmarks import harness as H
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec
+from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.refinement import split_folds
 from fedfiot_flwr.server.selection import merge_round
 from fedfiot_flwr.server_refine import RefineOptions, refine_merged_model
@@ -43,7 +44,7 @@ LABELS = {
     "mean-client": "Mean client",
     "ensemble": "Ensemble of the K clients (averaged logits)",
     "centralized": "Centralized (union of the clients' data)",
-    "fedfiot-refined": "FedFiOT default + server refinement (proposed default)",
+    "fedfiot-refined": "FedFiOT (default preset: merge + server refinement)",
 }
 Model = dict[str, np.ndarray]
 
@@ -173,12 +174,12 @@ def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch
     }
 
 
-DEFAULT_REFINE = RefineOptions()
-"""The refinement the proposed default runs (see docs/one_shot_analysis.md for why these knobs)."""
+DEFAULT_REFINE: RefineOptions = FedFiOTConfig.default().refine  # type: ignore[assignment]
+"""The refinement the default preset runs (`FedFiOTConfig.default().refine`; docs/one_shot_analysis.md says why)."""
 
 RIVALS = ("fedavg", "fisher-merge", "otfusion", "wb-fusion", "regmean", "fedfisher-diag", "fedfisher-kfac",
           "best-single-client")
-"""Methods the proposed default must beat by 2 points (FedFiOT's own presets and ablations are not rivals)."""
+"""Methods the default preset must beat by 2 points (FedFiOT's own presets and ablations are not rivals)."""
 
 
 def refine_options(args: Any, setting: H.Setting | None) -> RefineOptions:
@@ -228,11 +229,11 @@ def _cell(recs: Sequence[Mapping[str, Any]], method: str, col: tuple[Any, ...]) 
 
 
 def default_targets(payload: Mapping[str, Any], ours: str = "fedfiot-refined", margin: float = 0.02) -> str:
-    """Markdown: per column, the proposed default against the best rival (mean over seeds) and the best client."""
+    """Markdown: per column, the default preset against the best rival (mean over seeds) and the best client."""
     recs = payload["records"]
     if not any(r["method"] == ours for r in recs):
         return "(no fedfiot-refined rows)"
-    lines = ["| setting | seeds | proposed default | best rival | rival | margin (points) | >= best rival + 2 "
+    lines = ["| setting | seeds | default preset | best rival | rival | margin (points) | >= best rival + 2 "
              "| never below best single client (per seed) |", "|---|---|---|---|---|---|---|---|"]
     for col in H.setting_columns(recs):
         mine = _cell(recs, ours, col)
