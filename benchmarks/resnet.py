@@ -30,6 +30,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +43,18 @@ if __package__ in (None, ""):
 from torch.utils.data import DataLoader, Subset  # noqa: E402
 
 from benchmarks import harness as H  # noqa: E402
+from benchmarks import server_methods as S  # noqa: E402
 from fedfiot_flwr.batchnorm import recompute_batchnorm_statistics  # noqa: E402
 from fedfiot_flwr.client import pack_reply  # noqa: E402
 from fedfiot_flwr.fisher import diagonal_fisher  # noqa: E402
 from fedfiot_flwr.merge import merge, spec_from_module  # noqa: E402
 from fedfiot_flwr.task import default_device, train  # noqa: E402
 
-METHODS = ("fedavg", "fisher-merge", "regmean", "fedfiot", "fedfiot-default")
-LABELS = {**H.METHOD_LABELS, "regmean": "RegMean"}
+METHODS = ("fedavg", "fisher-merge", "regmean", "fedfiot", "fedfiot-default", "fedfiot-refined", "best-single-client")
+LABELS = {**H.METHOD_LABELS, **S.LABELS, "regmean": "RegMean"}
+SERVER_DATA = ("fedfiot-refined", "best-single-client", "mean-client", "ensemble")
+"""Rows that use the server's data beyond selection (:mod:`benchmarks.server_methods`); the refined
+default recomputes BatchNorm statistics on its fitting fold, the clients keep their own."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -161,7 +166,8 @@ def one_shot(args: argparse.Namespace) -> dict[str, Any]:
                                     "train_seconds": uploads.train_seconds, "fisher_seconds": uploads.fisher_seconds,
                                     "client_sizes": list(uploads.quantized.num_examples),
                                     "fraction": args.fraction, "fisher_examples": args.fisher_examples})
-        plans = H.method_plans([m for m in args.methods if m not in H.CURVATURE_METHODS], init, args.grid)
+        plans = H.method_plans([m for m in args.methods if m not in H.CURVATURE_METHODS + SERVER_DATA], init,
+                               args.grid)
         for bn in ("merged", "recomputed"):
             validate = ev.validate if bn == "merged" else (lambda m: ev.validate(recal(m)))
             for plan in plans:
@@ -186,6 +192,12 @@ def one_shot(args: argparse.Namespace) -> dict[str, Any]:
                                            "validation_accuracy": cres.validation_accuracy, "fraction_permuted": 0.0,
                                            "knobs": cres.knobs, "merge_seconds": cres.merge_seconds})
                 log(f"  {method:16s} BN {bn:10s} test {100 * acc:5.1f}%  val {100 * cres.validation_accuracy:5.1f}%")
+        server = [m for m in args.methods if m in SERVER_DATA]
+        if server:
+            options = replace(S.DEFAULT_REFINE, seed=setting.seed)
+            for rec in S.run_server_methods(server, setting, split, uploads, build, spec, buffers, ev, options,
+                                            args.grid, None, device, log):
+                payload["records"].append({**H.record_fields(setting), **rec, "bn": "recomputed"})
         payload["wall_seconds"] = time.perf_counter() - start
         write(args.out, args.name, payload, one_shot_markdown(payload))
     return payload
@@ -202,7 +214,9 @@ def one_shot_markdown(payload: dict[str, Any]) -> str:
         f"server validation {s0['validation_size']} images. To fit a shared CPU, each client trains on a random "
         f"{100 * s0['fraction']:g}% of its examples (client sizes {s0['client_sizes']}) and estimates its Fisher on "
         f"at most {s0['fisher_examples']} of them; RegMean's Gram matrices use the clients' full data. Every method merges the same 16-bit uploads and "
-        "chooses its knobs on validation accuracy. Test accuracy (%) on the 10,000 test images.", "",
+        "chooses its knobs on validation accuracy. Test accuracy (%) on the 10,000 test images. The default preset "
+        "(merge + server refinement) recomputes BatchNorm statistics on its 250-example fitting fold and is "
+        "listed under 'BN recomputed'; the best single client keeps its own statistics.", "",
         "| method | " + " | ".join(f"{i} init, BN merged | {i} init, BN recomputed" for i in inits) + " |",
         "|---|" + "---|---|" * len(inits),
     ]
