@@ -3,7 +3,8 @@
 For each data set the K clients are trained once (the one-shot benchmark's uploads, cached);
 then one client at a time re-packs its upload with its Fisher multiplied by a factor (``1e3``,
 ``1e6``, or scaled to float32's largest value) and the round goes through the strategy's own
-path: :func:`~fedfiot_flwr.server.uploads.collect_uploads` (the reply bounds) and
+path: :func:`~fedfiot_flwr.server.uploads.collect_uploads` (the reply bounds: with a cap, any finite
+Fisher is accepted; without one, a Fisher above ``MAX_FISHER_MAGNITUDE`` excludes the reply) and
 :func:`~fedfiot_flwr.server.selection.merge_round` with the default preset (validation choice between
 the aligned merge, the identity merge and FedAvg), with and without the robust Fisher cap
 (:func:`fedfiot_flwr.merge.robust.cap_fishers`). Reported: test accuracy, the honest-run
@@ -34,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import harness as H  # noqa: E402
 from fedfiot_flwr.client import pack_reply  # noqa: E402
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, cap_fishers, weight_shares  # noqa: E402
+from fedfiot_flwr.reply_limits import fisher_bound_for  # noqa: E402
 from fedfiot_flwr.server.selection import merge_round  # noqa: E402
 from fedfiot_flwr.server.uploads import collect_uploads  # noqa: E402
 
@@ -79,7 +81,7 @@ def run_scenario(uploads: H.Uploads, replies: list[Any], spec: Any, buffers: Seq
     """One round through the strategy's collection and selection; the chosen model's test accuracy."""
     ids = [str(i) for i in range(len(replies))]
     expected = {k: tuple(np.shape(v)) for k, v in uploads.float32.weights[0].items()}
-    collected = collect_uploads(list(zip(ids, replies)), expected, buffers)
+    collected = collect_uploads(list(zip(ids, replies)), expected, buffers, fisher_bound=fisher_bound_for(cap or None))
     t0 = time.perf_counter()
     outcome = merge_round(
         collected, spec, plan.default, max_iters=8, matching="fisher", aggregation="fisher", fallback=plan.fallback,
@@ -164,9 +166,9 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: str, wall: float
                 f"{100 * max(shares):.1f}% | {sum(r['attacker_excluded'] for r in sel)}/{len(sel)} | "
                 f"{sum(r['variant'] == 'fedavg' for r in sel)}/{len(sel)} |")
     lines.append("")
-    lines.append("An attacker excluded by the reply bounds (a Fisher above `MAX_FISHER_MAGNITUDE`) leaves exactly the "
-                 "honest merge of the other K-1 clients: that row's loss is what losing the client's data costs, "
-                 "not what its Fisher does.")
+    lines.append("With a cap, any finite Fisher is accepted and capped. Without one, an attacker whose Fisher exceeds "
+                 "`MAX_FISHER_MAGNITUDE` is excluded by the reply bounds, which leaves exactly the honest merge of the "
+                 "other K-1 clients: that row's loss is what losing the client's data costs, not what its Fisher does.")
     lines.append("")
     lines.append("Honest-run cost of the cap (default preset, cap against no cap):")
     lines.append("")

@@ -18,7 +18,11 @@ The limits
     ``1e6``. Trained weights and BatchNorm statistics of normalised inputs stay far below it.
 :data:`MAX_FISHER_MAGNITUDE`
     Largest diagonal Fisher entry (its quantisation scale): ``1e8``, a mean squared
-    per-example gradient of ``1e4`` per coordinate, far beyond a converging client's.
+    per-example gradient of ``1e4`` per coordinate, far beyond a converging client's. It
+    applies where the server merges the Fishers as uploaded (the paper configuration). Where
+    the server applies the robust Fisher cap, a finite Fisher of any size (up to float32's
+    maximum) is accepted: the cap brings it to the clients' median, and never above this bound,
+    before the merge reads it (:func:`fisher_bound_for`).
 :data:`MAX_CURVATURE_MAGNITUDE`
     Largest ``|entry|`` of a K-FAC factor or RegMean Gram rebuilt from its 8-bit codes: ``1e8``.
 :data:`MAX_INTEGER_BUFFER`
@@ -49,6 +53,7 @@ __all__ = [
     "MAX_WEIGHT_MAGNITUDE",
     "check_magnitude",
     "finite_metric",
+    "fisher_bound_for",
     "parse_num_examples",
 ]
 
@@ -109,15 +114,39 @@ def parse_num_examples(raw: Any, who: str) -> int:
     return value
 
 
-def check_magnitude(largest: float, limit: float, what: str) -> None:
-    """Raise unless ``0 <= largest <= limit`` (NaN fails).
+def fisher_bound_for(fisher_cap: float | None) -> float | None:
+    """The largest Fisher entry a reply may carry when the server merges with ``fisher_cap``.
+
+    Parameters
+    ----------
+    fisher_cap : float or None
+        The robust cap factor the server applies (:func:`fedfiot_flwr.merge.robust.cap_fishers`);
+        ``None`` or 0: the Fishers are merged as uploaded.
+
+    Returns
+    -------
+    float or None
+        :data:`MAX_FISHER_MAGNITUDE` without a cap; ``None`` (any finite value) with one, since
+        the cap scales an inflated Fisher down to the clients' median and never leaves an entry
+        above :data:`MAX_FISHER_MAGNITUDE`.
+
+    Examples
+    --------
+    >>> fisher_bound_for(None) == MAX_FISHER_MAGNITUDE, fisher_bound_for(1.0)
+    (True, None)
+    """
+    return None if fisher_cap else MAX_FISHER_MAGNITUDE
+
+
+def check_magnitude(largest: float, limit: float | None, what: str) -> None:
+    """Raise unless ``largest`` is finite and ``0 <= largest <= limit`` (NaN fails).
 
     Parameters
     ----------
     largest : float
         A tensor's largest ``|entry|`` (or its quantisation scale).
-    limit : float
-        The bound (one of this module's constants).
+    limit : float or None
+        The bound (one of this module's constants); ``None``: any finite non-negative value.
     what : str
         Names the client and tensor in the error.
 
@@ -126,7 +155,9 @@ def check_magnitude(largest: float, limit: float, what: str) -> None:
     ValueError
         When ``largest`` is NaN, negative, infinite or above ``limit``.
     """
-    if not (0.0 <= largest <= limit):
+    if not (math.isfinite(largest) and largest >= 0.0):
+        raise ValueError(f"{what}: magnitude {largest!r} is not a finite non-negative number")
+    if limit is not None and largest > limit:
         raise ValueError(f"{what}: magnitude {largest!r} is outside [0, {limit:g}]")
 
 

@@ -262,7 +262,7 @@ def pack_reply(
 
 
 def _decode(
-    client: str, name: str, arr: Array, dtype: np.dtype
+    client: str, name: str, arr: Array, dtype: np.dtype, fisher_bound: float | None = MAX_FISHER_MAGNITUDE
 ) -> tuple[np.ndarray, np.ndarray | None]:
     where = f"client {client}: tensor {name!r}"
     if not isinstance(arr, Array):
@@ -299,7 +299,7 @@ def _decode(
         raise ValueError(f"{where}: {len(arr.data)} data bytes, expected {expected} for shape {shape}")
     scales = np.frombuffer(arr.data, dtype="<f4", count=header // 4)
     codes = np.frombuffer(arr.data, dtype="<i2", offset=header).reshape((2 if with_fisher else 1, *shape))
-    limits = (MAX_WEIGHT_MAGNITUDE, MAX_FISHER_MAGNITUDE)
+    limits = (MAX_WEIGHT_MAGNITUDE, fisher_bound)
     for scale, c, what, limit in zip(scales, codes, ("weight", "Fisher"), limits):
         try:
             check_codes(c, float(scale), name, max_scale=limit)
@@ -319,6 +319,7 @@ def unpack_reply(
     *,
     parameters: Collection[str] | None = None,
     dtype: np.dtype | type = np.float32,
+    fisher_bound: float | None = MAX_FISHER_MAGNITUDE,
 ) -> ClientUpload:
     """Validate and dequantize a FedFiOT reply (the inverse of :func:`pack_reply`).
 
@@ -334,6 +335,10 @@ def unpack_reply(
         Names that must carry a Fisher (the model's parameters); the others must not.
     dtype : numpy dtype
         dtype of the dequantized weights and Fisher (float32 by default).
+    fisher_bound : float or None
+        Largest accepted Fisher scale (:data:`~fedfiot_flwr.reply_limits.MAX_FISHER_MAGNITUDE`
+        by default); ``None`` accepts any finite scale, for a server that caps the Fishers
+        (:func:`fedfiot_flwr.reply_limits.fisher_bound_for`).
 
     Returns
     -------
@@ -367,7 +372,7 @@ def unpack_reply(
     weights: dict[str, np.ndarray] = {}
     fisher: dict[str, np.ndarray] = {}
     for name, arr in arrays.items():
-        w, f = _decode(client, name, arr, np.dtype(dtype))
+        w, f = _decode(client, name, arr, np.dtype(dtype), fisher_bound)
         if expected_shapes is not None and tuple(w.shape) != tuple(expected_shapes[name]):
             raise ValueError(f"client {client}: tensor {name!r} has shape {tuple(w.shape)}, "
                              f"expected {tuple(expected_shapes[name])}")
@@ -678,15 +683,30 @@ def unpack_curvature_reply(
 # ------------------------------------------------------------------- one decode per reply
 
 
-def check_upload_magnitudes(client: str, weights: Mapping[str, np.ndarray], fisher: Mapping[str, np.ndarray]) -> None:
+def check_upload_magnitudes(
+    client: str,
+    weights: Mapping[str, np.ndarray],
+    fisher: Mapping[str, np.ndarray],
+    fisher_bound: float | None = MAX_FISHER_MAGNITUDE,
+) -> None:
     """Check every dequantized tensor against the bounds of :mod:`fedfiot_flwr.reply_limits`.
+
+    Parameters
+    ----------
+    client : str
+        Who sent the tensors (named in every error).
+    weights, fisher : mapping of str to np.ndarray
+        The dequantized weights (and buffers) and diagonal Fishers.
+    fisher_bound : float or None
+        Largest accepted Fisher entry; ``None``: any finite one (a server that caps the Fishers,
+        :func:`fedfiot_flwr.reply_limits.fisher_bound_for`).
 
     Raises
     ------
     ValueError
         When a float weight is not finite or exceeds ``MAX_WEIGHT_MAGNITUDE``, an integer buffer
         exceeds ``MAX_INTEGER_BUFFER``, or a Fisher entry is not finite, negative or above
-        ``MAX_FISHER_MAGNITUDE``; the message names the client and the tensor.
+        ``fisher_bound``; the message names the client and the tensor.
     """
     for name, value in weights.items():
         arr = np.asarray(value)
@@ -704,7 +724,7 @@ def check_upload_magnitudes(client: str, weights: Mapping[str, np.ndarray], fish
         if arr.size:
             if float(np.min(arr)) < 0:
                 raise ValueError(f"client {client!r}, Fisher of tensor {name!r}: contains negative entries")
-            check_magnitude(float(np.max(np.abs(arr))), MAX_FISHER_MAGNITUDE,
+            check_magnitude(float(np.max(np.abs(arr))), fisher_bound,
                             f"client {client!r}, Fisher of tensor {name!r}")
 
 
@@ -727,6 +747,7 @@ def decode_reply(
     expected_shapes: Mapping[str, tuple[int, ...]] | None,
     buffers: Collection[str] = (),
     fisher_kind: str | None = None,
+    fisher_bound: float | None = MAX_FISHER_MAGNITUDE,
 ) -> ClientUpload | CurvatureUpload:
     """Unpack, dequantize and validate one reply, once, for a strategy that needs ``kind``.
 
@@ -745,6 +766,12 @@ def decode_reply(
         State-dict entries that carry no Fisher (BatchNorm statistics).
     fisher_kind : str, optional
         K-FAC only: the Fisher kind the factors must declare.
+    fisher_bound : float or None
+        Largest accepted diagonal Fisher entry. The default,
+        :data:`~fedfiot_flwr.reply_limits.MAX_FISHER_MAGNITUDE`, is for a server that merges the
+        Fishers as uploaded; ``None`` accepts any finite Fisher, for a server that caps them
+        (:func:`fedfiot_flwr.reply_limits.fisher_bound_for`). Non-finite and negative Fishers are
+        always rejected.
 
     Returns
     -------
@@ -764,8 +791,8 @@ def decode_reply(
         parameters = None
         if expected_shapes is not None and kind == "fisher":
             parameters = [k for k in expected_shapes if k not in buffers]
-        up = unpack_reply(content, expected_shapes, client, parameters=parameters)
-        check_upload_magnitudes(client, up.weights, up.fisher)
+        up = unpack_reply(content, expected_shapes, client, parameters=parameters, fisher_bound=fisher_bound)
+        check_upload_magnitudes(client, up.weights, up.fisher, fisher_bound)
         if kind == "fisher" and not up.fisher:
             raise ValueError(f"client {client}: reply carries no Fisher")
         return up

@@ -7,6 +7,7 @@ with matrix products, so memory is O(m*d + m*m) per client, never O(m*m*d).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -121,6 +122,20 @@ def aggregate(
 ClientLoader = Callable[[int], tuple[np.ndarray, np.ndarray]]
 
 
+def _power_of_two_above(f: np.ndarray, fx: np.ndarray) -> float:
+    """The smallest power of two ``>= max(|f|, |fx|)`` (1.0 for all-zero inputs): dividing by it
+    brings a float32 cost-GEMM input to at most 1 without rounding.
+
+    >>> _power_of_two_above(np.array([3.0]), np.array([-0.5]))
+    4.0
+    """
+    peak = max(float(np.max(np.abs(f))) if f.size else 0.0, float(np.max(np.abs(fx))) if fx.size else 0.0)
+    if not peak > 0.0:
+        return 1.0
+    mantissa, exponent = math.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return math.ldexp(1.0, exponent - 1) if mantissa == 0.5 else math.ldexp(1.0, exponent)
+
+
 class ClientLayers:
     """One permutation's client layers and damped Fishers, prepared once per alignment.
 
@@ -142,7 +157,11 @@ class ClientLayers:
     stack : bool
         Keep every client's data (fast) or reload on each use (streaming).
     cost_dtype : {"float64", "float32"}
-        Precision of the cost GEMMs; aggregation and objectives stay float64.
+        Precision of the cost GEMMs; aggregation and objectives stay float64. In float32 each
+        client's ``[f_k, f_k*w_k]`` is scaled by a power of two so that its largest entry is at
+        most 1, and its cost product is scaled back in float64: the float32 GEMM cannot overflow
+        whatever the Fisher's magnitude, and below float32's range the scaling is exact (the
+        costs are those of the unscaled GEMM).
     backend : NumpyBackend or TorchBackend
         Where the cost GEMMs and gathers run.
     max_bytes : int
@@ -170,6 +189,7 @@ class ClientLayers:
         self._exact = self._cost = self._layers = None  # stacked: (K*m, 2d), (K*m, 2d), (K*m, d)
         self._row_const: list[np.ndarray] = []
         self._col_norms: list[np.ndarray] = []
+        self._cost_scale: list[float] = []  # float32 costs: per client, the power of two undone after the GEMM
         be = self.backend
         for k in range(n_clients):
             x, f = load(k)
@@ -188,12 +208,21 @@ class ClientLayers:
             self._exact[rows, :d] = be.asarray(f, "float64")
             self._exact[rows, d:] = be.asarray(fx, "float64")
             self._row_const.append(np.einsum("jc,jc,jc->j", f, x, x))
+            if cost_dtype != "float64":
+                self._cost_scale.append(_power_of_two_above(f, fx))
             if keep_layers:
                 self._layers[rows] = be.asarray(x, "float64")
                 self._col_norms.append(np.einsum("jc,jc->j", x, x))
             del x, f, fx
         if stack and self._exact is not None:
-            self._cost = self._exact if cost_dtype == "float64" else be.asarray(self._exact, cost_dtype)
+            if cost_dtype == "float64":
+                self._cost = self._exact
+            else:
+                m = self._exact.shape[0] // n_clients
+                self._cost = be.empty(tuple(self._exact.shape), cost_dtype)
+                for k, scale in enumerate(self._cost_scale):
+                    rows = slice(k * m, (k + 1) * m)
+                    self._cost[rows] = be.asarray(self._exact[rows] * (1.0 / scale), cost_dtype)
 
     def _client(self, k: int, m: int) -> tuple:
         """Stacked client ``k``: ``(exact [f, fx], w_k or None, row constants, column norms)``."""
@@ -203,18 +232,19 @@ class ClientLayers:
         return self._exact[rows], layer, self._row_const[k], norms
 
     def _streamed_cost_input(self, k: int, fisher: bool) -> tuple:
-        """Streamed client ``k``: its Fisher cost-GEMM input and row constants, or (``fisher=False``)
-        ``w_k`` and its column norms."""
+        """Streamed client ``k``: its Fisher cost-GEMM input, row constants and the scale to undo
+        after the GEMM (see ``cost_dtype``), or (``fisher=False``) ``w_k`` and its column norms."""
         x, f = self.load(k)
         m, d = x.shape
         if not fisher:
             return self.backend.asarray(x, self.cost_dtype), np.einsum("jc,jc->j", x, x)
         const = np.einsum("jc,jc,jc->j", f, x, x)
-        right = np.empty((m, 2 * d), dtype=self.cost_dtype)
-        right[:, :d] = f
         np.multiply(f, x, out=x)
-        right[:, d:] = x
-        return self.backend.asarray(right, self.cost_dtype), const
+        scale = 1.0 if self.cost_dtype == "float64" else _power_of_two_above(f, x)
+        right = np.empty((m, 2 * d), dtype=self.cost_dtype)
+        right[:, :d] = f if scale == 1.0 else f * (1.0 / scale)
+        right[:, d:] = x if scale == 1.0 else x * (1.0 / scale)
+        return self.backend.asarray(right, self.cost_dtype), const, scale
 
     def _groups(self, m: int) -> Iterator[range]:
         group = max(1, self.max_bytes // (8 * m * m)) if self.stacked else 1
@@ -228,12 +258,16 @@ class ClientLayers:
         for group in self._groups(m):
             if self.stacked:
                 right, consts = self._cost[group.start * m:group.stop * m], [self._row_const[k] for k in group]
+                scales = [self._cost_scale[k] for k in group] if self._cost_scale else [1.0] * len(group)
             else:
-                right, const = self._streamed_cost_input(group.start, fisher=True)
-                consts = [const]
+                right, const, scale = self._streamed_cost_input(group.start, fisher=True)
+                consts, scales = [const], [scale]
             product = be.to_numpy(be.matmul_t(left, right))
-            for i, const in enumerate(consts):
-                yield product[:, i * m:(i + 1) * m] + const[None, :]
+            for i, (const, scale) in enumerate(zip(consts, scales)):
+                block = product[:, i * m:(i + 1) * m]
+                if scale != 1.0:
+                    block = block.astype(np.float64) * scale
+                yield block + const[None, :]
 
     def euclidean_costs(self, w: np.ndarray) -> Iterator[np.ndarray]:
         """:func:`euclidean_cost_matrix` of every client against ``w``, yielded one by one."""

@@ -46,7 +46,7 @@ def fisher_scale_factors(
     for k, fk in enumerate(fishers):
         factor = factors[k]
         if scaling.startswith("normalized"):
-            total = sum(float(np.sum(f)) for f in fk.values())
+            total = sum(float(np.sum(f, dtype=np.float64)) for f in fk.values())  # float32 sums overflow
             count = sum(int(np.size(f)) for f in fk.values())
             mean = total / count if count else 0.0
             factor = factor / mean if mean > 0 else factor

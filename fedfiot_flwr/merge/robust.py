@@ -14,6 +14,14 @@ client whose Fisher is within ``c`` times the median is left untouched; an infla
 its own shape but the magnitude of a client ``c`` times the median. With the default ``c = 1``
 every client above the median is brought down to it.
 
+A server that caps accepts any finite Fisher, up to float32's maximum (the reply bounds do not
+exclude it, :func:`fedfiot_flwr.reply_limits.fisher_bound_for`), so the cap is computed in float64
+and also scales every tensor whose largest entry is still above
+:data:`~fedfiot_flwr.reply_limits.MAX_FISHER_MAGNITUDE` down to it (which only happens when half
+the clients or more send such a Fisher, or when the median is 0). The capped Fishers are thus
+within the bound a server without the cap enforces, and nothing downstream (tempering, size
+scaling, float32 cost matrices, the torch backend) sees a larger value.
+
 What it does not defend against: a coalition holding half of the clients (it moves the median);
 two-client rounds (the median of two is their mean); inflation of single coordinates below
 ``c`` times the median maximum; and weight poisoning (a client sending harmful *weights* with an
@@ -27,6 +35,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..reply_limits import MAX_FISHER_MAGNITUDE
+
 __all__ = ["DEFAULT_FISHER_CAP", "cap_fishers", "cap_factors", "weight_shares"]
 
 DEFAULT_FISHER_CAP: float = 1.0
@@ -38,15 +48,20 @@ lost 8 points on Fashion-MNIST."""
 Model = Mapping[str, np.ndarray]
 
 
-def cap_factors(fishers: Sequence[Model], factor: float) -> list[dict[str, float]]:
+def cap_factors(
+    fishers: Sequence[Model], factor: float, limit: float | None = MAX_FISHER_MAGNITUDE
+) -> list[dict[str, float]]:
     """The per-client, per-tensor scale :func:`cap_fishers` applies (1.0: untouched).
 
     Parameters
     ----------
     fishers : sequence of mapping of str to np.ndarray
-        Raw (untempered) non-negative diagonal Fishers, one per client, same keys.
+        Raw (untempered) finite non-negative diagonal Fishers, one per client, same keys (any
+        float dtype; the means are taken in float64, so float32's maximum does not overflow).
     factor : float
         ``c >= 1``: how far above the clients' median a client's Fisher may go.
+    limit : float or None
+        Largest entry any capped tensor may keep (``None``: no absolute limit).
 
     Returns
     -------
@@ -56,15 +71,17 @@ def cap_factors(fishers: Sequence[Model], factor: float) -> list[dict[str, float
     Raises
     ------
     ValueError
-        If ``factor < 1`` or is not finite.
+        If ``factor < 1`` or is not finite, or ``limit`` is not a positive finite number.
     """
     if not (np.isfinite(factor) and factor >= 1.0):
         raise ValueError(f"the Fisher cap factor must be a finite number >= 1, got {factor!r}")
+    if limit is not None and not (np.isfinite(limit) and limit > 0):
+        raise ValueError(f"the Fisher cap limit must be a positive finite number or None, got {limit!r}")
     scales: list[dict[str, float]] = [{} for _ in fishers]
     if not fishers:
         return scales
     for name in fishers[0]:
-        means = np.array([float(np.mean(f[name])) if np.size(f[name]) else 0.0 for f in fishers])
+        means = np.array([float(np.mean(f[name], dtype=np.float64)) if np.size(f[name]) else 0.0 for f in fishers])
         maxes = np.array([float(np.max(f[name])) if np.size(f[name]) else 0.0 for f in fishers])
         med_mean, med_max = float(np.median(means)), float(np.median(maxes))
         for k in range(len(fishers)):
@@ -74,24 +91,33 @@ def cap_factors(fishers: Sequence[Model], factor: float) -> list[dict[str, float
                 s = min(s, factor * med_mean / means[k])
             if med_max > 0 and maxes[k] > factor * med_max:
                 s = min(s, factor * med_max / maxes[k])
+            if limit is not None and maxes[k] * s > limit:
+                s = min(s, limit / maxes[k])
             scales[k][name] = s
     return scales
 
 
-def cap_fishers(fishers: Sequence[Model], factor: float) -> list[dict[str, np.ndarray]]:
+def cap_fishers(
+    fishers: Sequence[Model], factor: float, limit: float | None = MAX_FISHER_MAGNITUDE
+) -> list[dict[str, np.ndarray]]:
     """Scale down, per tensor, every client whose Fisher exceeds ``factor`` times the clients' median.
 
     Parameters
     ----------
     fishers : sequence of mapping of str to np.ndarray
-        Raw (untempered) non-negative diagonal Fishers, one per client, same keys.
+        Raw (untempered) finite non-negative diagonal Fishers, one per client, same keys.
     factor : float
         ``c >= 1`` (see the module docstring).
+    limit : float or None
+        Largest entry any capped tensor may keep: a tensor still above it after the relative
+        cap is scaled down to it (:data:`~fedfiot_flwr.reply_limits.MAX_FISHER_MAGNITUDE` by
+        default; ``None``: no absolute limit).
 
     Returns
     -------
     list of dict[str, np.ndarray]
-        The capped Fishers (unchanged tensors are the input arrays themselves).
+        The capped Fishers (unchanged tensors are the input arrays themselves; a scaled tensor is
+        multiplied in float64 and keeps its dtype).
 
     Examples
     --------
@@ -100,11 +126,18 @@ def cap_fishers(fishers: Sequence[Model], factor: float) -> list[dict[str, np.nd
     >>> [float(x) for x in cap_fishers(inflated, 4.0)[3]["w"]]
     [4.0, 8.0]
     """
-    scales = cap_factors(fishers, factor)
+    scales = cap_factors(fishers, factor, limit)
     return [
-        {name: (f if scales[k][name] == 1.0 else np.asarray(f) * scales[k][name]) for name, f in fk.items()}
+        {name: (f if scales[k][name] == 1.0 else _scaled(f, scales[k][name])) for name, f in fk.items()}
         for k, fk in enumerate(fishers)
     ]
+
+
+def _scaled(f: np.ndarray, scale: float) -> np.ndarray:
+    """``scale * f`` computed in float64 (a float32 scale of 1e-40 would be denormal), in ``f``'s float dtype."""
+    arr = np.asarray(f)
+    out = arr.astype(np.float64) * scale
+    return out.astype(arr.dtype) if np.issubdtype(arr.dtype, np.floating) else out
 
 
 def weight_shares(fishers: Sequence[Model], rho: float = 0.5, lam: float = 1e-4) -> np.ndarray:

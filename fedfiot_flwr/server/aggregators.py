@@ -23,6 +23,7 @@ import numpy as np
 
 from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.merge import PermutationSpec
+from fedfiot_flwr.reply_limits import fisher_bound_for
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.selection import Candidate, merge_round
 from fedfiot_flwr.server.uploads import CollectedUploads
@@ -174,6 +175,11 @@ class FedFiOTAggregator:
     def config(self) -> dict[str, Any]:
         """The FedFiOT configuration."""
         return self.settings.as_dict()
+
+    @property
+    def fisher_bound(self) -> float | None:
+        """Largest Fisher entry a reply may carry (``None``: any finite one, which the robust cap neutralises)."""
+        return fisher_bound_for(self.settings.fisher_cap)
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
         """Merge (and select on validation data when the configuration asks for it)."""

@@ -18,6 +18,7 @@ from flwr.app import RecordDict
 from flwr.supercore import log
 
 from fedfiot_flwr.baselines.averaging import size_weighted_average
+from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
 from fedfiot_flwr.server.aggregators import AggregateOutcome, Aggregator, RoundContext, describe_fedfiot_choice
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads, require_enough, weighted_mean_metrics
 
@@ -135,8 +136,11 @@ class RoundMerger:
         """
         label = self.aggregator.label
         shapes = None if broadcast is None else {k: tuple(v.shape) for k, v in broadcast.items()}
+        # An aggregator that caps the Fishers accepts any finite one (``fisher_bound`` None); the
+        # others keep the absolute bound.
+        fisher_bound = getattr(self.aggregator, "fisher_bound", MAX_FISHER_MAGNITUDE)
         uploads = collect_uploads(replies, shapes, self.buffers, errors, kind=self.aggregator.reply_kind,
-                                  fisher_kind=self.aggregator.fisher_kind)
+                                  fisher_kind=self.aggregator.fisher_kind, fisher_bound=fisher_bound)
         log(INFO, "%s round %s: %d valid replies, %d excluded (%.2f MB received)", label, server_round,
                     len(uploads), len(uploads.rejections), uploads.bytes_received / 2**20)
         for rej in uploads.rejections:

@@ -16,6 +16,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from fedfiot_flwr.psd import InputGram, KFACFactors
+from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
 from fedfiot_flwr.wire import (
     FACTOR_PREFIX,
     ClientUpload,
@@ -95,6 +96,7 @@ def collect_uploads(
     *,
     kind: str = "fisher",
     fisher_kind: str | None = None,
+    fisher_bound: float | None = MAX_FISHER_MAGNITUDE,
 ) -> CollectedUploads:
     """Decode and validate each reply once; exclude (with the reason) the broken and the duplicated.
 
@@ -115,6 +117,10 @@ def collect_uploads(
         What the strategy merges (see :func:`fedfiot_flwr.wire.decode_reply`).
     fisher_kind : str, optional
         K-FAC only: the Fisher kind every reply must declare.
+    fisher_bound : float or None
+        Largest accepted diagonal Fisher entry: :data:`~fedfiot_flwr.reply_limits.MAX_FISHER_MAGNITUDE`
+        where the Fishers are merged as uploaded, ``None`` (any finite value) where the merge caps
+        them (:func:`fedfiot_flwr.reply_limits.fisher_bound_for`).
 
     Returns
     -------
@@ -138,7 +144,8 @@ def collect_uploads(
         seen.add(client)
         try:
             decoded.append((client, content, decode_reply(content, kind, client=client, expected_shapes=shapes,
-                                                          buffers=buffers, fisher_kind=fisher_kind)))
+                                                          buffers=buffers, fisher_kind=fisher_kind,
+                                                          fisher_bound=fisher_bound)))
         except Exception as exc:  # noqa: BLE001 - an untrusted reply excludes itself, never the round
             out.rejections.append(Rejection(client, str(exc) or type(exc).__name__))
     majority = majority_layout(up for _, _, up in decoded) if shapes is None else None
