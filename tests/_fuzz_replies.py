@@ -2,8 +2,9 @@
 
 Every reply starts as an honest one built with the real packing (:func:`fedfiot_flwr.client.pack_reply`)
 and is then corrupted at the byte, record or message level. Each corruption says whether the
-result must still be accepted (``valid``) under the documented reply rules (``docs/robustness.md``);
-the tests check that the strategy merges exactly the valid replies.
+result must still be accepted under the documented reply rules (``docs/robustness.md``): always,
+never, or only by a server that caps the Fishers (:data:`WHEN_CAPPED`: a finite Fisher above
+``MAX_FISHER_MAGNITUDE``); the tests check that the strategy merges exactly the valid replies.
 
 The wire layout used to corrupt scales and codes is the documented one: a parameter's Array holds
 a float32 weight scale, a float32 Fisher scale, then int16 weight codes and int16 Fisher codes; a
@@ -25,6 +26,10 @@ from fedfiot_flwr.client import pack_reply
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE, MAX_INTEGER_BUFFER, MAX_NUM_EXAMPLES, MAX_WEIGHT_MAGNITUDE
 
 F32_MAX = float(np.finfo(np.float32).max)
+WHEN_CAPPED = "valid when capped"
+"""Validity of a reply that a capping server must merge (with its Fisher capped) and a server
+without the cap must exclude: a finite Fisher above ``MAX_FISHER_MAGNITUDE``."""
+Validity = bool | str
 
 
 class TinyMLP(nn.Module):
@@ -140,21 +145,25 @@ def set_num_examples(content: RecordDict, value: object) -> RecordDict:
 
 # ------------------------------------------------------------------------------ corruptions
 
-Corruption = Callable[[Honest, np.random.Generator], tuple[RecordDict, bool]]
-"""``(honest upload, rng) -> (reply content, whether the server must merge it)``. A corruption
-labelled "(ignored)" adds something the server must ignore: it must merge the reply exactly as
-the honest reply without the addition."""
+Corruption = Callable[[Honest, np.random.Generator], tuple[RecordDict, Validity]]
+"""``(honest upload, rng) -> (reply content, whether the server must merge it)``: ``True``,
+``False`` or :data:`WHEN_CAPPED`. A corruption labelled "(ignored)" adds something the server
+must ignore: it must merge the reply exactly as the honest reply without the addition."""
+
+
+def _huge_fisher_validity(largest: float) -> Validity:
+    return True if largest <= MAX_FISHER_MAGNITUDE else WHEN_CAPPED
 
 
 def _scaled_fisher(factor: float) -> Corruption:
-    def make(up: Honest, rng: np.random.Generator) -> tuple[RecordDict, bool]:
+    def make(up: Honest, rng: np.random.Generator) -> tuple[RecordDict, Validity]:
         fisher = {k: (v.astype(np.float64) / max(float(v.max()), 1e-12) * factor) for k, v in up.fisher.items()}
-        return up.pack(fisher=fisher), factor <= MAX_FISHER_MAGNITUDE
+        return up.pack(fisher=fisher), _huge_fisher_validity(factor)
     return make
 
 
-def _fisher_scale(value: float, valid: bool = False) -> Corruption:
-    def make(up: Honest, rng: np.random.Generator) -> tuple[RecordDict, bool]:
+def _fisher_scale(value: float, valid: Validity = False) -> Corruption:
+    def make(up: Honest, rng: np.random.Generator) -> tuple[RecordDict, Validity]:
         content = up.pack()
         return set_scale(content, str(rng.choice(with_fisher(content))), 1, value), valid
     return make
@@ -176,9 +185,9 @@ def _num_examples(value: object, valid: bool) -> Corruption:
     return make
 
 
-def _all_fisher_at_float32_max(up: Honest, rng: np.random.Generator) -> tuple[RecordDict, bool]:
+def _all_fisher_at_float32_max(up: Honest, rng: np.random.Generator) -> tuple[RecordDict, Validity]:
     fisher = {k: np.full(v.shape, F32_MAX, np.float32) for k, v in up.fisher.items()}
-    return up.pack(fisher=fisher), False
+    return up.pack(fisher=fisher), WHEN_CAPPED
 
 
 def _scaled_weights(factor: float) -> Corruption:
@@ -339,8 +348,8 @@ CORRUPTIONS: dict[str, Corruption] = {
     "fisher scale NaN": _fisher_scale(float("nan")),
     "fisher scale inf": _fisher_scale(float("inf")),
     "fisher scale -1": _fisher_scale(-1.0),
-    "fisher scale 1e30": _fisher_scale(1e30),
-    "fisher scale float32 max": _fisher_scale(F32_MAX),
+    "fisher scale 1e30": _fisher_scale(1e30, WHEN_CAPPED),
+    "fisher scale float32 max": _fisher_scale(F32_MAX, WHEN_CAPPED),
     "fisher scale 0 with codes": _fisher_scale(0.0),
     "negative fisher codes": _negative_fisher_codes,
     "int16 min codes": _min_int16_codes,
@@ -410,7 +419,7 @@ class Sent:
 
     node: int
     content: RecordDict | None  # None: an error reply
-    content_valid: bool
+    content_valid: Validity
     label: str
     clean: RecordDict | None = None  # what the server must merge instead, for "(ignored)" additions
     valid: bool = False  # set by mark_duplicates: valid content and the node's first reply
@@ -429,17 +438,21 @@ def corrupt(label: str, up: Honest, rng: np.random.Generator, node: int) -> Sent
     return Sent(node, content, valid, label, clean=up.pack() if label.endswith("(ignored)") else None)
 
 
-def mark_duplicates(sent: list[Sent]) -> list[Sent]:
-    """Only a node's first reply (in the given order) counts; later ones are duplicates."""
+def mark_duplicates(sent: list[Sent], capped: bool = False) -> list[Sent]:
+    """Set ``valid``: valid content (for a server that caps the Fishers or not) and the node's
+    first reply in the given order; later ones are duplicates."""
     seen: set[int] = set()
     for s in sent:
-        s.valid = s.content_valid and s.node not in seen
+        content_valid = s.content_valid is True or (capped and s.content_valid == WHEN_CAPPED)
+        s.valid = content_valid and s.node not in seen
         seen.add(s.node)
     return sent
 
 
-def corrupted_round(model: nn.Module, rng: np.random.Generator, p_corrupt: float = 0.5) -> list[Sent]:
-    """3 to 5 nodes, some replies corrupted, some nodes replying twice, shuffled."""
+def corrupted_round(model: nn.Module, rng: np.random.Generator, p_corrupt: float = 0.5,
+                    capped: bool = False) -> list[Sent]:
+    """3 to 5 nodes, some replies corrupted, some nodes replying twice, shuffled; ``capped``: the
+    server caps the Fishers (see :data:`WHEN_CAPPED`)."""
     n_nodes = int(rng.integers(3, 6))
     names = list(CORRUPTIONS)
     sent: list[Sent] = []
@@ -456,4 +469,4 @@ def corrupted_round(model: nn.Module, rng: np.random.Generator, p_corrupt: float
             again = up.pack() if rng.random() < 0.5 else honest_upload(model, rng).pack()
             sent.append(Sent(node, again, True, "second reply"))
     order = rng.permutation(len(sent))
-    return mark_duplicates([sent[i] for i in order])
+    return mark_duplicates([sent[i] for i in order], capped)

@@ -1,6 +1,7 @@
 """Cost matrices equal their direct definition."""
 
 import numpy as np
+import pytest
 
 from fedfiot_flwr.merge import assign, euclidean_cost_matrix, fisher_cost_matrix
 
@@ -45,3 +46,26 @@ def test_stacked_cost_matrices_equal_per_client_ones_in_any_grouping():
         stacked = list(euclidean_cost_matrices(w, layers, max_bytes=max_bytes))
         for c, x in zip(stacked, layers):
             np.testing.assert_allclose(c, euclidean_cost_matrix(w, x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("stack_bytes", [2**31, 0])  # stacked clients, and streamed ones
+def test_float32_costs_do_not_overflow_on_a_float32_max_fisher(stack_bytes: int) -> None:
+    from _fedfiot_helpers import SPEC, client_uploads
+
+    from fedfiot_flwr.merge import merge
+
+    f32_max = float(np.finfo(np.float32).max)
+    uploads = client_uploads(4, seed=11)
+    weights = [w for w, _, _ in uploads]
+    fishers = [f for _, f, _ in uploads]
+    # rho = 1 leaves the Fisher at float32's maximum, so f * w overflows a float32 GEMM input
+    fishers[0] = {n: (f.astype(np.float64) / f.max() * f32_max).astype(np.float32) for n, f in fishers[0].items()}
+    sizes = [n for _, _, n in uploads]
+    runs = {dtype: merge(weights, fishers, SPEC, rho=1.0, num_examples=sizes, cost_dtype=dtype, stack_bytes=stack_bytes)
+            for dtype in ("float64", "float32")}
+    for name, value in runs["float32"].model.items():
+        assert np.all(np.isfinite(value)), name
+        np.testing.assert_allclose(value, runs["float64"].model[name], rtol=1e-5, atol=1e-6)
+    for name, perms in runs["float32"].permutations.items():
+        assert [p.tolist() for p in perms] == [p.tolist() for p in runs["float64"].permutations[name]], name

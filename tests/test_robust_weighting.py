@@ -9,10 +9,15 @@ from _fedfiot_helpers import SHAPES, SPEC, client_uploads, packed, reply
 
 from fedfiot_flwr import FedFiOT, FedFiOTConfig
 from fedfiot_flwr.merge import merge
+from fedfiot_flwr.merge.prepared import fisher_scale_factors
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, cap_factors, cap_fishers, weight_shares
+from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE, fisher_bound_for
+from fedfiot_flwr.server.selection import Candidate, merge_round
 from fedfiot_flwr.server.shell import arrays_to_numpy
+from fedfiot_flwr.server.uploads import collect_uploads
 
 K = 6
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _honest(seed: int = 0) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]], list[int]]:
@@ -26,6 +31,11 @@ def _inflate(fishers: list[dict[str, np.ndarray]], k: int, factor: float) -> lis
 
 def _distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     return float(np.sqrt(sum(np.sum((a[n].astype(np.float64) - b[n]) ** 2) for n in a)))
+
+
+def _at_float32_max(fisher: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every tensor scaled so that its largest entry is float32's maximum (float32, as decoded)."""
+    return {n: (f.astype(np.float64) / f.max() * F32_MAX).astype(np.float32) for n, f in fisher.items()}
 
 
 def test_honest_fishers_of_similar_magnitude_are_untouched() -> None:
@@ -104,3 +114,100 @@ def test_robust_module_examples_hold() -> None:
 
     result = doctest.testmod(robust, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ------------------------------------------------------------------ Fishers at float32's maximum
+
+
+def test_a_float32_max_fisher_is_capped_in_float64_to_the_median_magnitude() -> None:
+    _, fishers, _ = _honest(seed=4)
+    attacked = [*fishers[:K - 1], {n: np.full(f.shape, F32_MAX, np.float32) for n, f in fishers[0].items()}]
+    capped = cap_fishers(attacked, DEFAULT_FISHER_CAP)
+    for name in fishers[0]:
+        # a constant tensor's mean is its maximum: the mean cap binds, at the clients' median mean
+        med_mean = float(np.median([np.mean(f[name], dtype=np.float64) for f in attacked]))
+        assert capped[-1][name].dtype == np.float32
+        np.testing.assert_allclose(capped[-1][name], med_mean, rtol=1e-6)
+    # two clients: the median of two is their mean, so the absolute limit keeps the merge's range
+    pair = cap_fishers([fishers[0], attacked[-1]], DEFAULT_FISHER_CAP)
+    for name in fishers[0]:
+        assert 0.99 * MAX_FISHER_MAGNITUDE <= float(pair[1][name].max()) <= MAX_FISHER_MAGNITUDE
+        assert pair[0][name] is fishers[0][name]
+
+
+def test_normalized_scaling_of_a_float32_max_fisher_does_not_overflow() -> None:
+    fisher = {"w": np.full(8, F32_MAX, np.float32), "b": np.full(3, F32_MAX, np.float32)}
+    (factor,) = fisher_scale_factors([fisher], "normalized", None)
+    assert factor * F32_MAX == pytest.approx(1.0)  # a float32 sum would overflow and give 0
+
+
+def _float32_max_round(seed: int, attacker: int):  # noqa: ANN202
+    """Honest and attacked (client ``attacker`` at float32's maximum) uploads, collected as a capping
+    server collects them."""
+    uploads = client_uploads(K, seed=seed)
+    inflated = [(w, _at_float32_max(f) if k == attacker else f, n) for k, (w, f, n) in enumerate(uploads)]
+
+    def collected(triples: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]]):  # noqa: ANN202
+        replies = [(str(k + 1), packed(w, f, n)) for k, (w, f, n) in enumerate(triples)]
+        return collect_uploads(replies, SHAPES, fisher_bound=fisher_bound_for(DEFAULT_FISHER_CAP))
+
+    return uploads, collected(uploads), collected(inflated)
+
+
+def _merged(up, cap: float | None, **options: str) -> dict[str, np.ndarray]:  # noqa: ANN001
+    # rho = 1: the tempered Fisher stays at float32's maximum unless it is capped
+    return merge_round(up, SPEC, Candidate(1.0, 1e-4), max_iters=2, baseline=False, fisher_cap=cap, **options).model
+
+
+def test_a_float32_max_fisher_client_is_capped_to_a_bounded_share_near_the_honest_merge() -> None:
+    attacker = 2
+    uploads, honest_up, attacked_up = _float32_max_round(7, attacker)
+    assert not attacked_up.rejections and len(attacked_up) == K  # accepted by a capping server
+    # the Fisher-weighted average itself (no alignment, whose permutations would blur the comparison)
+    honest = _merged(honest_up, DEFAULT_FISHER_CAP, matching="none")
+    capped = _merged(attacked_up, DEFAULT_FISHER_CAP, matching="none")
+    raw = _merged(attacked_up, None, matching="none")  # no cap: the attacker owns the merge
+    assert all(np.all(np.isfinite(v)) for v in capped.values())
+    assert _distance(capped, honest) < 0.05 * _distance(raw, honest)
+    assert _distance(raw, uploads[attacker][0]) < 1e-3 * _distance(honest, uploads[attacker][0])
+    shares = weight_shares(cap_fishers(attacked_up.fishers, DEFAULT_FISHER_CAP), rho=1.0)
+    assert shares[attacker] < 1.5 / K
+    assert weight_shares(attacked_up.fishers, rho=1.0)[attacker] > 0.99
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("cost_dtype", ["float64", "float32"])
+def test_an_aligned_merge_with_a_float32_max_fisher_client_is_finite_in_every_precision(
+    cost_dtype: str, backend: str
+) -> None:
+    _, _, attacked_up = _float32_max_round(7, 2)
+    reference = _merged(attacked_up, DEFAULT_FISHER_CAP)  # float64 costs, NumPy
+    capped = _merged(attacked_up, DEFAULT_FISHER_CAP, cost_dtype=cost_dtype, backend=backend)
+    for name, value in capped.items():
+        assert np.all(np.isfinite(value)), name
+        np.testing.assert_allclose(value, reference[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # without the cap (a direct merge call; a server without the cap excludes the reply) float32
+    # costs still do not overflow
+    uncapped = _merged(attacked_up, None, cost_dtype=cost_dtype, backend=backend)
+    assert all(np.all(np.isfinite(v)) for v in uncapped.values())
+
+
+def test_a_float32_max_fisher_is_merged_by_the_default_preset_and_excluded_by_the_paper_preset() -> None:
+    uploads = client_uploads(K, seed=9)
+    inflated = [(uploads[0][0], _at_float32_max(uploads[0][1]), uploads[0][2]), *uploads[1:]]
+    honest_msgs = [reply(k + 1, packed(w, f, n)) for k, (w, f, n) in enumerate(uploads)]
+    attack_msgs = [reply(k + 1, packed(w, f, n)) for k, (w, f, n) in enumerate(inflated)]
+    for preset in ("default", "paper"):
+        strategy = FedFiOT(spec=SPEC, config=FedFiOTConfig.named(preset, max_iters=2), fedavg_baseline=False)
+        honest = arrays_to_numpy(strategy.aggregate_train(1, honest_msgs)[0])
+        attacked = arrays_to_numpy(strategy.aggregate_train(1, attack_msgs)[0])
+        rejected = strategy.reports[-1]["rejected"]
+        assert all(np.all(np.isfinite(v)) for v in attacked.values())
+        if preset == "default":
+            assert rejected == [] and strategy.server_metrics[1]["num-valid"] == K
+            assert _distance(attacked, honest) < 0.25 * _distance(honest, uploads[0][0])
+        else:
+            assert [r["client"] for r in rejected] == ["1"]
+            reason = rejected[0]["reason"]
+            assert "client 1" in reason and "fc1.weight" in reason and "Fisher" in reason and "bound" in reason
