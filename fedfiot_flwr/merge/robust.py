@@ -42,8 +42,8 @@ __all__ = ["DEFAULT_FISHER_CAP", "cap_fishers", "cap_factors", "weight_shares"]
 DEFAULT_FISHER_CAP: float = 1.0
 """``c`` of the default preset: no client's Fisher may exceed the clients' median (per tensor, in
 mean and in largest entry). Measured in ``benchmarks/results/fisher_inflation*.md``: under two
-points lost to a 1e3 / 1e6 inflation of any one client on digits and Fashion-MNIST, where ``c = 2``
-lost 8 points on Fashion-MNIST."""
+points lost to a 1e3, 1e6 or float32-maximum inflation of any one client on digits and
+Fashion-MNIST, where ``c = 2`` lost 8 points on Fashion-MNIST (1e3)."""
 
 Model = Mapping[str, np.ndarray]
 

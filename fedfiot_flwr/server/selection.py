@@ -272,8 +272,10 @@ def merge_round(
         kept in ``own_model`` / ``own_variant`` / ``own_validation``.
     fisher_cap : float, optional
         Robust weighting: cap every client's Fisher at this factor times the clients' median
-        (:func:`fedfiot_flwr.merge.robust.cap_fishers`) before the merge tempers it. ``None``:
-        the Fishers as uploaded (the paper).
+        (:func:`fedfiot_flwr.merge.robust.cap_fishers`) before the merge tempers it; any finite
+        Fisher may then be uploaded (the reply bounds do not apply, see
+        :func:`fedfiot_flwr.reply_limits.fisher_bound_for`). ``None``: the Fishers as uploaded (the
+        paper), which the reply bounds keep within ``MAX_FISHER_MAGNITUDE``.
     cost_dtype, backend, lap_solver
         Speed options of :func:`fedfiot_flwr.merge.merge` (float32 cost GEMMs, the torch
         backend on CUDA when available, the optional LAPJV solver).
