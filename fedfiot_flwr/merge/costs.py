@@ -8,7 +8,7 @@ with matrix products, so memory is O(m*d + m*m) per client, never O(m*m*d).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -136,6 +136,24 @@ def _power_of_two_above(f: np.ndarray, fx: np.ndarray) -> float:
     return math.ldexp(1.0, exponent - 1) if mantissa == 0.5 else math.ldexp(1.0, exponent)
 
 
+def _runs(group: range, skip: Collection[int]) -> Iterator[range]:
+    """Split ``group`` into contiguous runs of clients not in ``skip``, with an empty range in
+    place of each skipped client (so that the caller yields in client order).
+
+    >>> [(r.start, r.stop) for r in _runs(range(0, 5), {1, 2})]
+    [(0, 1), (1, 1), (2, 2), (3, 5)]
+    """
+    start = group.start
+    for k in group:
+        if k in skip:
+            if k > start:
+                yield range(start, k)
+            yield range(k, k)
+            start = k + 1
+    if start < group.stop:
+        yield range(start, group.stop)
+
+
 class ClientLayers:
     """One permutation's client layers and damped Fishers, prepared once per alignment.
 
@@ -251,23 +269,28 @@ class ClientLayers:
         for first in range(0, self.n_clients, group):
             yield range(first, min(self.n_clients, first + group))
 
-    def fisher_costs(self, w: np.ndarray) -> Iterator[np.ndarray]:
-        """:func:`fisher_cost_matrix` of every client against ``w``, yielded one by one."""
+    def fisher_costs(self, w: np.ndarray, skip: Collection[int] = ()) -> Iterator[np.ndarray | None]:
+        """:func:`fisher_cost_matrix` of every client against ``w``, yielded one by one
+        (``None``, and no arithmetic, for the clients in ``skip``)."""
         be, m = self.backend, w.shape[0]
         left = be.asarray(np.concatenate([w * w, -2.0 * w], axis=1), self.cost_dtype)
         for group in self._groups(m):
-            if self.stacked:
-                right, consts = self._cost[group.start * m:group.stop * m], [self._row_const[k] for k in group]
-                scales = [self._cost_scale[k] for k in group] if self._cost_scale else [1.0] * len(group)
-            else:
-                right, const, scale = self._streamed_cost_input(group.start, fisher=True)
-                consts, scales = [const], [scale]
-            product = be.to_numpy(be.matmul_t(left, right))
-            for i, (const, scale) in enumerate(zip(consts, scales)):
-                block = product[:, i * m:(i + 1) * m]
-                if scale != 1.0:
-                    block = block.astype(np.float64) * scale
-                yield block + const[None, :]
+            for run in _runs(group, skip):
+                if not run:
+                    yield None
+                    continue
+                if self.stacked:
+                    right, consts = self._cost[run.start * m:run.stop * m], [self._row_const[k] for k in run]
+                    scales = [self._cost_scale[k] for k in run] if self._cost_scale else [1.0] * len(run)
+                else:
+                    right, const, scale = self._streamed_cost_input(run.start, fisher=True)
+                    consts, scales = [const], [scale]
+                product = be.to_numpy(be.matmul_t(left, right))
+                for i, (const, scale) in enumerate(zip(consts, scales)):
+                    block = product[:, i * m:(i + 1) * m]
+                    if scale != 1.0:
+                        block = block.astype(np.float64) * scale
+                    yield block + const[None, :]
 
     def euclidean_costs(self, w: np.ndarray) -> Iterator[np.ndarray]:
         """:func:`euclidean_cost_matrix` of every client against ``w``, yielded one by one."""

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .backend import get_backend
+from .certify import assign_with_hint
 from .costs import ClientLayers, assign
 from .prepared import FISHER_SCALINGS, PreparedClients, as_prepared, fisher_scale_factors, scaled_fisher
 from .spec import PermutationSpec, permute_tensor
@@ -200,20 +201,45 @@ def _align_permutation(
     sizes: Sequence[float] | None,
     max_iters: int,
     lap_solver: str,
+    certify: bool = False,
+    ref_client: int | None = None,
+    start: Sequence[np.ndarray] | None = None,
 ) -> tuple[list[np.ndarray], PermutationReport]:
     """Alternating minimisation for one permutation (Algorithm 1's inner loop): for each
-    iteration, build every client's cost matrix against ``w``, assign exactly, aggregate."""
+    iteration, build every client's cost matrix against ``w``, assign exactly, aggregate.
+
+    With ``certify``, each client's assignment is first tried from a hint (its previous
+    assignment; the identity in iteration 1) and the solver runs only when the hint is not
+    certified optimal (:mod:`fedfiot_flwr.merge.certify`); and in iteration 1 the reference
+    client ``ref_client`` (whose layer is ``w``) keeps the identity without a cost matrix when
+    none of its neurons repeats (zero cost on the diagonal, positive elsewhere).
+
+    With ``start`` (per-client permutations), the loop starts from the merge of the clients
+    aligned by ``start`` instead of the reference layer (a warm start) and stops at once when
+    ``start`` is already a fixed point.
+    """
     identity = np.arange(size)
     rows = np.arange(size)
     w = ref_layer
     report = PermutationReport(size, 0, float("nan"))
     current = [identity] * clients.n_clients
+    if start is not None:
+        current = [np.asarray(p, dtype=np.int64) for p in start]
+        num, den = clients.moments(current)
+        w = num / den if aggregation == "fisher" else clients.average(current, sizes if aggregation == "size" else None)
     for s in range(1, max_iters + 1):
         report.iterations = s
+        skip: set[int] = set()
+        if (certify and s == 1 and start is None and ref_client is not None and matching == "fisher"
+                and _distinct_rows(ref_layer)):
+            skip = {ref_client}
         if matching == "fisher":
             new, chosen, diagonal = [], 0.0, 0.0
-            for cost in clients.fisher_costs(w):
-                new.append(assign(cost, lap_solver))
+            for k, cost in enumerate(clients.fisher_costs(w, skip)):
+                if cost is None:  # the reference against itself: the identity, at zero cost
+                    new.append(identity)
+                    continue
+                new.append(assign_with_hint(cost, current[k], lap_solver)[0] if certify else assign(cost, lap_solver))
                 # J(w, pi) is the sum of the chosen Fisher costs: no second pass over the weights.
                 chosen += float(cost[rows, new[-1]].sum())
                 diagonal += float(np.trace(cost))
@@ -222,10 +248,13 @@ def _align_permutation(
         else:
             if s == 1:
                 report.initial_objective = _objective_from_moments(w, *clients.moments(current), clients.const)
-            new = [assign(cost, lap_solver) for cost in clients.euclidean_costs(w)]
-        unchanged = s > 1 and all(np.array_equal(a, b) for a, b in zip(new, current))
+            costs = clients.euclidean_costs(w)
+            new = ([assign_with_hint(cost, hint, lap_solver)[0] for cost, hint in zip(costs, current)] if certify
+                   else [assign(cost, lap_solver) for cost in costs])
+        unchanged = (s > 1 or start is not None) and all(np.array_equal(a, b) for a, b in zip(new, current))
         if matching != "fisher" and unchanged:
-            chosen = report.objectives[-1]
+            chosen = report.objectives[-1] if report.objectives else _objective_from_moments(
+                w, *clients.moments(current), clients.const)
         if unchanged:
             report.alignment_objectives.append(chosen)
             report.objectives.append(chosen)
@@ -240,6 +269,11 @@ def _align_permutation(
         report.objectives.append(_objective_from_moments(w, num, den, clients.const))
     report.fraction_permuted = [float(np.mean(p != identity)) for p in current]
     return current, report
+
+
+def _distinct_rows(layer: np.ndarray) -> bool:
+    """Whether no two rows of ``layer`` are equal."""
+    return len(np.unique(layer, axis=0)) == layer.shape[0]
 
 
 def _objective_from_moments(value: np.ndarray, num: np.ndarray, den: np.ndarray, const: float) -> float:
@@ -316,6 +350,8 @@ def merge(
     device: str | None = "auto",
     lap_solver: str = "scipy",
     stack_bytes: int = 2**31,
+    certify: bool = False,
+    initial_perms: Mapping[str, Sequence[np.ndarray]] | None = None,
 ) -> MergeResult:
     """Merge client models with FedFiOT's alternating Fisher-weighted alignment and aggregation.
 
@@ -369,6 +405,18 @@ def merge(
     stack_bytes : int
         Memory budget of one permutation's stacked client data; above it, clients are streamed
         (reloaded from the uploads on each use: less memory, more time).
+    certify : bool
+        Try each client's previous assignment (the identity in iteration 1) before the solver and
+        keep it when it is certified optimal (:mod:`fedfiot_flwr.merge.certify`); in iteration 1
+        the reference client keeps the identity without a cost matrix when its neurons are
+        distinct. Exact: a certified assignment is a minimum-cost one, so results can differ
+        from ``certify=False`` only between assignments of equal cost (as two solvers can).
+    initial_perms : dict[str, list[np.ndarray]], optional
+        Warm start: per permutation, per client, the alignment to start from (e.g. another
+        candidate's :attr:`MergeResult.permutations`). Each permutation's loop then starts from
+        the merge of the clients aligned by ``initial_perms`` rather than from the reference, and
+        stops after one step when they are already a fixed point. Not the paper's algorithm: it can
+        reach a different fixed point than a cold start (see :mod:`fedfiot_flwr.merge.warm`).
 
     Returns
     -------
@@ -436,6 +484,7 @@ def merge(
         found, reports[perm] = _align_permutation(
             m, layer, ref_layer,
             matching=matching, aggregation=aggregation, sizes=sizes, max_iters=max_iters, lap_solver=lap_solver,
+            certify=certify, ref_client=ref_index, start=None if initial_perms is None else initial_perms.get(perm),
         )
         del layer
         for pk, p in zip(perms, found):
