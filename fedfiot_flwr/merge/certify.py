@@ -21,6 +21,8 @@ import numpy as np
 
 from .lap import assign
 
+# Below this size the solver is as fast as the certificate: solve directly.
+MIN_SIZE = 64
 # Relaxation budget: total row-visits, in multiples of m (one full sweep = m rows).
 DEFAULT_MAX_WORK = 6
 # Give up at once when more than this fraction of the columns is improved in the first sweep
@@ -60,7 +62,7 @@ def certify_assignment(
     >>> certify_assignment(c, np.array([0, 1, 2])), certify_assignment(c, np.array([1, 0, 2]))
     (True, False)
     >>> # Not row-wise minimal, still optimal (needs non-zero potentials):
-    >>> certify_assignment(np.array([[1., 0.], [3., 1.]]), np.array([0, 1]))
+    >>> certify_assignment(np.array([[1., 0.], [3., 1.]]), np.array([0, 1]), max_violated=1.0)
     True
     """
     m = cost.shape[0]
@@ -70,6 +72,8 @@ def certify_assignment(
     owner = np.empty(m, dtype=np.int64)  # owner[k]: the row assigned column k
     owner[p] = np.arange(m)
     chosen = cost[np.arange(m), p]
+    if (chosen <= cost.min(axis=1)).all():
+        return True  # every row's assigned column is its minimum (no temporary matrix needed)
     # Arc k -> j (k = p[i]) has length cost[i, j] - cost[i, k]; distances v start at 0.
     v = (cost - chosen[:, None]).min(axis=0)  # the first sweep: v_j = min_i (cost[i, j] - chosen[i])
     v = np.minimum(v, 0.0)
@@ -102,7 +106,8 @@ def assign_with_hint(cost: np.ndarray, hint: np.ndarray | None, solver: str = "s
     hint : np.ndarray or None
         A candidate assignment (row ``i`` -> column ``hint[i]``), e.g. the previous iteration's.
     solver : str
-        Exact solver used when the hint is not certified (see :func:`fedfiot_flwr.merge.lap.assign`).
+        Exact solver used when the hint is not certified, or the matrix is smaller than
+        ``MIN_SIZE`` (see :func:`fedfiot_flwr.merge.lap.assign`).
 
     Returns
     -------
@@ -111,10 +116,11 @@ def assign_with_hint(cost: np.ndarray, hint: np.ndarray | None, solver: str = "s
 
     Examples
     --------
-    >>> p, hinted = assign_with_hint(np.array([[5., 1.], [1., 5.]]), np.array([1, 0]))
-    >>> p.tolist(), hinted
-    ([1, 0], True)
+    >>> cost = np.ones((64, 64)) - np.eye(64)
+    >>> p, hinted = assign_with_hint(cost, np.arange(64))
+    >>> p[:3].tolist(), hinted
+    ([0, 1, 2], True)
     """
-    if hint is not None and certify_assignment(cost, hint):
+    if hint is not None and cost.shape[0] >= MIN_SIZE and certify_assignment(cost, hint):
         return np.asarray(hint, dtype=np.int64), True
     return assign(cost, solver), False

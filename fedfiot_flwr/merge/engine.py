@@ -24,6 +24,7 @@ import numpy as np
 from .backend import get_backend
 from .certify import assign_with_hint
 from .costs import ClientLayers, assign
+from .reuse import AlignmentMemo, AlignmentTail, permutations_digest
 from .prepared import FISHER_SCALINGS, PreparedClients, as_prepared, fisher_scale_factors, scaled_fisher
 from .spec import PermutationSpec, permute_tensor
 from .validate import check_options, check_reference_model, check_speed_options
@@ -204,6 +205,8 @@ def _align_permutation(
     certify: bool = False,
     ref_client: int | None = None,
     start: Sequence[np.ndarray] | None = None,
+    memo: AlignmentMemo | None = None,
+    memo_key: tuple | None = None,
 ) -> tuple[list[np.ndarray], PermutationReport]:
     """Alternating minimisation for one permutation (Algorithm 1's inner loop): for each
     iteration, build every client's cost matrix against ``w``, assign exactly, aggregate.
@@ -217,6 +220,10 @@ def _align_permutation(
     With ``start`` (per-client permutations), the loop starts from the merge of the clients
     aligned by ``start`` instead of the reference layer (a warm start) and stops at once when
     ``start`` is already a fixed point.
+
+    With ``memo`` (and ``memo_key`` naming the layer's data and options), a cold start looks up
+    its first iteration's assignment: when another merge reached the same one, the remaining
+    iterations are taken from it (bit-identical: they depend on nothing else).
     """
     identity = np.arange(size)
     rows = np.arange(size)
@@ -267,13 +274,35 @@ def _align_permutation(
             report.alignment_objectives.append(chosen)
         w = num / den if aggregation == "fisher" else clients.average(new, sizes if aggregation == "size" else None)
         report.objectives.append(_objective_from_moments(w, num, den, clients.const))
+        if s == 1 and start is None and memo is not None and memo_key is not None:
+            key = (*memo_key, permutations_digest(new))
+            tail = memo.get(key)
+            if tail is not None:
+                current, report.iterations = list(tail.perms), tail.iterations
+                report.alignment_objectives += tail.alignment_objectives
+                report.objectives += tail.objectives
+                break
+    if start is None and memo is not None and memo_key is not None and report.iterations > 1 and key not in memo.tails:
+        memo.put(key, AlignmentTail(list(current), report.iterations, report.alignment_objectives[1:],
+                                    report.objectives[1:]))
     report.fraction_permuted = [float(np.mean(p != identity)) for p in current]
     return current, report
 
 
 def _distinct_rows(layer: np.ndarray) -> bool:
-    """Whether no two rows of ``layer`` are equal."""
-    return len(np.unique(layer, axis=0)) == layer.shape[0]
+    """Whether no two rows of ``layer`` are equal (equal rows have equal projections: only rows
+    whose projections tie are compared).
+
+    >>> _distinct_rows(np.array([[1., 2.], [2., 1.]])), _distinct_rows(np.array([[1., 2.], [1., 2.]]))
+    (True, False)
+    """
+    key = layer @ np.random.default_rng(0).standard_normal(layer.shape[1])
+    order = np.argsort(key, kind="stable")
+    tie = key[order[1:]] == key[order[:-1]]
+    if not tie.any():
+        return True
+    rows = np.unique(np.concatenate([order[1:][tie], order[:-1][tie]]))
+    return len(np.unique(layer[rows], axis=0)) == len(rows)
 
 
 def _objective_from_moments(value: np.ndarray, num: np.ndarray, den: np.ndarray, const: float) -> float:
@@ -481,10 +510,14 @@ def merge(
             stack=_stack_bytes(m, ref_layer.shape[1], n_clients, matching, aggregation, cost_dtype) <= stack_bytes,
             cost_dtype=cost_dtype, backend=array_backend,
         )
+        memo_key = (fisher_scaling, float(rho), float(lam), matching, aggregation, max_iters, lap_solver, certify,
+                    cost_dtype, array_backend.name, str(array_backend.device), layer.stacked, perm,
+                    permutations_digest(perms))
         found, reports[perm] = _align_permutation(
             m, layer, ref_layer,
             matching=matching, aggregation=aggregation, sizes=sizes, max_iters=max_iters, lap_solver=lap_solver,
             certify=certify, ref_client=ref_index, start=None if initial_perms is None else initial_perms.get(perm),
+            memo=clients.alignments, memo_key=memo_key,
         )
         del layer
         for pk, p in zip(perms, found):

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .reuse import AlignmentMemo
 from .validate import check_models, check_num_examples
 
 FISHER_SCALINGS = ("none", "size", "normalized", "normalized-size")
@@ -77,6 +78,11 @@ class PreparedClients:
         Tensors without a Fisher.
     cache_bytes : int
         Memory budget of the tempered-Fisher cache (0: temper on every use).
+    identity_merges : dict
+        Identity merges computed so far, by ``(fisher_scaling, rho, lam, aggregation)``.
+    alignments : AlignmentMemo
+        Alignment iterations computed so far, shared by merges that reach the same state
+        (:mod:`fedfiot_flwr.merge.reuse`).
     """
 
     models: list[Model]
@@ -90,6 +96,7 @@ class PreparedClients:
     _tempered: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _factors: dict = field(default_factory=dict, repr=False)
     identity_merges: dict = field(default_factory=dict, repr=False)
+    alignments: AlignmentMemo = field(default_factory=AlignmentMemo, repr=False)
 
     def __len__(self) -> int:
         return len(self.models)

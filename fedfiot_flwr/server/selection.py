@@ -21,6 +21,7 @@ import numpy as np
 
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.merge.robust import cap_fishers
+from fedfiot_flwr.server.warm_starts import WarmStarts
 
 if TYPE_CHECKING:  # the uploads container; kept out of the import graph so this stays Flower-free
     from fedfiot_flwr.server.uploads import CollectedUploads
@@ -236,6 +237,8 @@ def merge_round(
     cost_dtype: str = "float64",
     backend: str = "numpy",
     lap_solver: str = "scipy",
+    certify: bool = False,
+    warm_start: bool = False,
 ) -> MergeOutcome:
     """Merge one round's valid uploads, selecting on validation data when possible.
 
@@ -279,6 +282,14 @@ def merge_round(
     cost_dtype, backend, lap_solver
         Speed options of :func:`fedfiot_flwr.merge.merge` (float32 cost GEMMs, the torch
         backend on CUDA when available, the optional LAPJV solver).
+    certify : bool
+        Certified warm-started assignments inside each alignment (exact; see
+        :func:`fedfiot_flwr.merge.merge`).
+    warm_start : bool
+        Start each candidate's alignment from its nearest already-merged neighbour's (same
+        reference and scaling, one grid step away; :mod:`fedfiot_flwr.server.warm_starts`).
+        Faster (usually one inner iteration per layer instead of two), but not the paper's
+        cold start: opt-in.
 
     Every candidate merges the same uploads, so the sweep shares its work: the uploads are
     checked once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
@@ -304,7 +315,8 @@ def merge_round(
     fishers = uploads.fishers if fisher_cap is None else cap_fishers(uploads.fishers, fisher_cap)
     clients = prepare_clients(uploads.weights, fishers, buffers=buffers,
                               num_examples=uploads.num_examples, client_ids=uploads.client_ids)
-    speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver}
+    speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver, "certify": certify}
+    starts = WarmStarts() if warm_start and matching != "none" else None
     validated = _CachedValidation(validate) if validate is not None else None
     best: tuple[float, Candidate, str, MergeResult, Model, dict[str, float] | None] | None = None
     trials: list[dict[str, Any]] = []
@@ -326,8 +338,12 @@ def merge_round(
             aggregation=aggregation,
             fallback="none" if fallback == "validation" else fallback,
             fisher_scaling=cand.fisher_scaling,
+            initial_perms=None if starts is None else starts.nearest(cand.reference, cand.fisher_scaling,
+                                                                     cand.rho, cand.lam),
             **speed,
         )
+        if starts is not None:
+            starts.add(cand.reference, cand.fisher_scaling, cand.rho, cand.lam, res.permutations)
         variants: list[tuple[str, Model]] = [("aligned" if res.aligned else "identity", res.model)]
         if fallback == "validation" and res.aligned and matching != "none":
             variants.append(("identity", res.identity_model))
