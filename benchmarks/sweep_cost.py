@@ -1,16 +1,23 @@
-"""Cost of one round of the default selection (the validation sweep), before and after sharing work.
+"""Cost of one round of the default selection (the validation sweep): before, previous and now.
 
 On the benchmark's cached one-shot uploads (trained on first use, see :mod:`benchmarks.harness`),
-for each setting this runs, in one process and interleaved:
+for each setting this runs, in one process:
 
-- the baseline revision's ``merge_round`` (every candidate validates and converts the uploads,
-  tempers the Fisher, builds each cost-GEMM input every inner iteration and validates every
+- one merge of the default candidate with the baseline engine (the unit, "merges' worth"):
+  after one warm-up call, the minimum of three;
+- the baseline revision's ``merge_round`` ("before": every candidate validates and converts the
+  uploads, tempers the Fisher, builds each cost-GEMM input every inner iteration, validates every
   model);
-- the current ``merge_round`` (float64, the paper's arithmetic), and with ``cost_dtype="float32"``;
-- one merge of the default candidate with the baseline engine (the unit: "merges' worth").
+- the previous revision's ``merge_round`` ("previous": shared preparation, tempering, identity
+  merges and validations, but every candidate aligns from scratch);
+- the current ``merge_round``: float64 (exact: alignment iterations and aligned merges shared
+  between candidates that reach the same state, bit-identical); with certified warm-started
+  assignments (``certify=True``); with float32 costs + LAPJV + certify; and with warm starts
+  across candidates (``warm_start=True``, opt-in, not the paper's cold start).
 
-It checks that the choices are identical (candidate, variant and the returned model's bytes)
-and writes ``benchmarks/results/sweep_cost.md``.
+It checks that the choices are identical to the baseline's (candidate, variant and the returned
+model's bytes), counts the trials whose validation differs, and writes
+``benchmarks/results/sweep_cost.md``.
 
 Usage::
 
@@ -41,7 +48,8 @@ from fedfiot_flwr.server.selection import merge_round  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
 
 RESULT = H.RESULTS_DIR / "sweep_cost.md"
-EPOCHS = {"digits": 20, "fashion-mnist": 2}
+PREVIOUS_REV = "88e66d2"  # shared sweep work, but every candidate aligned from scratch
+EPOCHS = {"digits": 20, "fashion-mnist": 5}
 VALIDATION = {"digits": 200, "fashion-mnist": 500}
 
 
@@ -77,19 +85,39 @@ def same_choice(a: Any, b: Any) -> bool:
             and all(np.array_equal(a.model[n], b.model[n]) for n in a.model))
 
 
+def differing_trials(a: Any, b: Any) -> int:
+    """Trials (in the same order) whose validation metrics differ."""
+    return sum(1 for x, y in zip(a.trials, b.trials) if x["validation"] != y["validation"]) + abs(
+        len(a.trials) - len(b.trials))
+
+
+VARIANTS = {  # label -> options of the current merge_round
+    "now, float64": {},
+    "now, certify": {"certify": True},
+    "now, f32 + LAPJV + certify": {"cost_dtype": "float32", "lap_solver": "lapjv", "certify": True},
+    "now, warm starts (opt-in) + f32 + LAPJV + certify": {"cost_dtype": "float32", "lap_solver": "lapjv",
+                                                         "certify": True, "warm_start": True},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--datasets", nargs="+", default=["digits"])
     parser.add_argument("--inits", nargs="+", default=["shared", "independent"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-rev", default=DEFAULT_BASELINE_REV)
+    parser.add_argument("--previous-rev", default=PREVIOUS_REV)
     parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument("--append", action="store_true", help="keep the rows already in --out")
     args = parser.parse_args()
     torch.set_num_threads(1)  # process CPU time then measures the work, whatever else runs on the machine
     base = load_baseline(args.baseline_rev)
     base_round = importlib.import_module(f"{base.__name__}.selection").merge_round
     base_merge = importlib.import_module(f"{base.__name__}.merge").merge
+    prev = load_baseline(args.previous_rev, "fedfiot_flwr_previous")
+    prev_round = importlib.import_module(f"{prev.__name__}.server.selection").merge_round
     device = default_device()
+    variants = {k: v for k, v in VARIANTS.items() if "lap_solver" not in v or lapjv_available()}
     rows = []
     for dataset in args.datasets:
         for init in args.inits:
@@ -101,50 +129,79 @@ def main() -> None:
             uploads = H.one_shot_uploads(setting, split, buffers, H.CACHE_DIR, device, print)
             plan = H.method_plans(["fedfiot-default"], init)[0]
             up = uploads.quantized
-            t0 = time.process_time()
-            base_merge(up.weights, up.fishers, spec, lam=plan.default.lam, rho=plan.default.rho, max_iters=8,
-                       reference="largest", num_examples=up.num_examples, buffers=buffers, client_ids=up.client_ids)
-            t_merge = time.process_time() - t0
+            units = []
+            for _ in range(4):  # the first call pays one-off imports and allocations: dropped
+                t0 = time.process_time()
+                base_merge(up.weights, up.fishers, spec, lam=plan.default.lam, rho=plan.default.rho, max_iters=8,
+                           reference="largest", num_examples=up.num_examples, buffers=buffers,
+                           client_ids=up.client_ids)
+                units.append(time.process_time() - t0)
+            t_merge = min(units[1:])
             old, t_old, c_old = run_sweep(base_round, uploads, spec, buffers, plan, ev.validate)
-            new, t_new, c_new = run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate)
-            f32, t_f32, c_f32 = run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate, cost_dtype="float32")
-            fast, t_fast, _ = (run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate, cost_dtype="float32",
-                                         lap_solver="lapjv") if lapjv_available() else (f32, float("nan"), None))
-            rows.append({
+            runs = {"previous": run_sweep(prev_round, uploads, spec, buffers, plan, ev.validate)}
+            for label, options in variants.items():
+                runs[label] = run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate, **options)
+            row = {
                 "setting": f"{dataset} ({setting.model}) {init}", "params": sum(x.size for x in up.weights[0].values()),
-                "merge": t_merge, "old": t_old, "new": t_new, "f32": t_f32, "fast": t_fast, "same_fast": same_choice(old, fast),
-                "trials": len(old.trials), "val_old": c_old.calls, "val_new": c_new.calls, "val_s": c_old.seconds / max(1, c_old.calls),
-                "same": same_choice(old, new), "same32": same_choice(old, f32),
-                "choice": f"{new.candidate.label()} ({new.variant})",
-            })
-            print(rows[-1], flush=True)
-    lines = [
-        "# One round of the default selection: cost before and after sharing work (benchmarks/sweep_cost.py)",
+                "merge": t_merge, "old": t_old, "val_old": c_old.calls, "trials": len(old.trials),
+                "val_s": c_old.seconds / max(1, c_old.calls),
+                "runs": {label: {"s": t, "val": c.calls, "val_s": c.seconds, "same": same_choice(old, out),
+                                 "differ": differing_trials(old, out)}
+                         for label, (out, t, c) in runs.items()},
+                "choice": f"{runs['now, float64'][0].candidate.label()} ({runs['now, float64'][0].variant})",
+            }
+            rows.append(row)
+            print(row, flush=True)
+    write(rows, args)
+
+
+def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Append the rows' lines to the result file's tables (or start them)."""
+    header = [
+        "# One round of the default selection: cost before, previous and now (benchmarks/sweep_cost.py)",
         "",
         f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared), "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, numpy {np.__version__}",
-        f"- baseline: revision `{args.baseline_rev}` of this repository, run in the same process, interleaved",
+        f"- before: revision `{args.baseline_rev}`; previous: revision `{args.previous_rev}` (every candidate "
+        "aligned from scratch); both run in the same process as the current code",
         "- uploads: the one-shot benchmark's cached 16-bit uploads (K = 6, alpha = 0.1, seed "
-        f"{args.seed}); plan `fedfiot-default` (the default preset: rho x lam x reference x Fisher scaling, "
-        "aligned / identity / FedAvg chosen on validation)",
-        "- unit: one merge of the default candidate with the baseline engine (\"merges' worth\")",
+        f"{args.seed}; digits {EPOCHS['digits']} local epochs, Fashion-MNIST {EPOCHS['fashion-mnist']}); plan "
+        "`fedfiot-default` (the default preset: rho x lam x reference x Fisher scaling, aligned / identity / "
+        "FedAvg chosen on validation)",
+        "- unit: one merge of the default candidate with the baseline engine (\"merges' worth\"; minimum of 3 "
+        "after a warm-up call)",
         "- times: process CPU seconds, one thread (numpy and torch): robust to the other jobs on the machine",
+        "- same choice: candidate, variant and model bytes equal to the baseline's; 'trials differing': trials "
+        "whose validation metrics differ from the baseline's",
         "",
-        "| setting | params | trials | one merge (s) | sweep before (s) | = merges | sweep after (s) | = merges "
-        "| speed-up | after, float32 costs (s) | = merges | validations before / after | s per validation "
-        "| after, float32 + LAPJV (s) | = merges | same choice (f64 / f32 / f32+LAPJV) | choice |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
+    table = ["| setting | variant | sweep (s) | = merges | validations | validation (s) | = merges without "
+             "validation | same choice | trials differing |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    summary = ["| setting | params | trials | one merge (s) | s per validation | choice |",
+               "|---|---:|---:|---:|---:|---|"]
+    previous_lines: list[str] = []
+    if args.append and args.out.exists():
+        previous_lines = args.out.read_text().splitlines()
     for r in rows:
-        lines.append(
-            f"| {r['setting']} | {r['params']:,} | {r['trials']} | {r['merge']:.3f} | {r['old']:.2f} | "
-            f"{r['old'] / r['merge']:.0f} | {r['new']:.2f} | {r['new'] / r['merge']:.1f} | {r['old'] / r['new']:.1f}x | "
-            f"{r['f32']:.2f} | {r['f32'] / r['merge']:.1f} | {r['val_old']} / {r['val_new']} | {r['val_s']:.3f} | "
-            f"{r['fast']:.2f} | {r['fast'] / r['merge']:.1f} | "
-            f"{'yes' if r['same'] else 'NO'} / {'yes' if r['same32'] else 'NO'} / {'yes' if r['same_fast'] else 'NO'} | "
-            f"{r['choice']} |"
-        )
-    lines += ["", f"Command: `python benchmarks/sweep_cost.py {' '.join(sys.argv[1:])}`".rstrip(), ""]
+        summary.append(f"| {r['setting']} | {r['params']:,} | {r['trials']} | {r['merge']:.3f} | "
+                       f"{r['val_s']:.3f} | {r['choice']} |")
+        old_val = r["val_s"] * r["val_old"]
+        table.append(f"| {r['setting']} | before | {r['old']:.2f} | {r['old'] / r['merge']:.1f} | {r['val_old']} | "
+                     f"{old_val:.2f} | {(r['old'] - old_val) / r['merge']:.1f} | - | - |")
+        for label, v in r["runs"].items():
+            table.append(f"| {r['setting']} | {label} | {v['s']:.2f} | {v['s'] / r['merge']:.1f} | {v['val']} | "
+                         f"{v['val_s']:.2f} | {(v['s'] - v['val_s']) / r['merge']:.1f} | "
+                         f"{'yes' if v['same'] else 'NO'} | {v['differ']} |")
+    if previous_lines:  # merge: keep the old rows of both tables, add the new ones
+        old_summary = [ln for ln in previous_lines if ln.startswith("| ") and ln.count("|") == 7
+                       and not ln.startswith("| setting")]
+        old_table = [ln for ln in previous_lines if ln.startswith("| ") and ln.count("|") == 10
+                     and not ln.startswith("| setting")]
+        summary = summary[:2] + old_summary + summary[2:]
+        table = table[:2] + old_table + table[2:]
+    lines = [*header, *summary, "", *table, "",
+             f"Command: `python benchmarks/sweep_cost.py {' '.join(sys.argv[1:])}`".rstrip(), ""]
     text = "\n".join(lines)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -21,8 +21,8 @@ import numpy as np
 
 from .lap import assign
 
-# Below this size the solver is as fast as the certificate: solve directly.
-MIN_SIZE = 64
+# Below these sizes the solver is about as fast as the certificate: solve directly.
+MIN_SIZE = {"scipy": 128, "lapjv": 512, "auto": 512}
 # Relaxation budget: total row-visits, in multiples of m (one full sweep = m rows).
 DEFAULT_MAX_WORK = 6
 # Give up at once when more than this fraction of the columns is improved in the first sweep
@@ -107,7 +107,7 @@ def assign_with_hint(cost: np.ndarray, hint: np.ndarray | None, solver: str = "s
         A candidate assignment (row ``i`` -> column ``hint[i]``), e.g. the previous iteration's.
     solver : str
         Exact solver used when the hint is not certified, or the matrix is smaller than
-        ``MIN_SIZE`` (see :func:`fedfiot_flwr.merge.lap.assign`).
+        ``MIN_SIZE[solver]`` (see :func:`fedfiot_flwr.merge.lap.assign`).
 
     Returns
     -------
@@ -116,11 +116,11 @@ def assign_with_hint(cost: np.ndarray, hint: np.ndarray | None, solver: str = "s
 
     Examples
     --------
-    >>> cost = np.ones((64, 64)) - np.eye(64)
-    >>> p, hinted = assign_with_hint(cost, np.arange(64))
+    >>> cost = np.ones((128, 128)) - np.eye(128)
+    >>> p, hinted = assign_with_hint(cost, np.arange(128))
     >>> p[:3].tolist(), hinted
     ([0, 1, 2], True)
     """
-    if hint is not None and cost.shape[0] >= MIN_SIZE and certify_assignment(cost, hint):
+    if hint is not None and cost.shape[0] >= MIN_SIZE.get(solver, 128) and certify_assignment(cost, hint):
         return np.asarray(hint, dtype=np.int64), True
     return assign(cost, solver), False

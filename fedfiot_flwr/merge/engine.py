@@ -539,7 +539,12 @@ def merge(
         aligned_model, aligned_objective = dict(identity_model), identity_objective
         aligned = True
     else:
-        aligned_model, aligned_objective = _merge_all(xs, fs, spec, perms, aggregation, sizes, clients.dtypes)
+        aligned_key = (*identity_key, permutations_digest(perms))
+        cached = clients.aligned_merges.get(aligned_key)
+        if cached is None:  # another candidate of a sweep may have found the same alignment
+            cached = _merge_all(xs, fs, spec, perms, aggregation, sizes, clients.dtypes)
+            clients.aligned_merges.put(aligned_key, cached)
+        aligned_model, aligned_objective = dict(cached[0]), cached[1]
         aligned = fallback == "none" or not aligned_objective > identity_objective
     total = sum(sizes_per_perm[p] for p in spec.perm_names)
     moved = [sum(int(np.sum(pk[p] != np.arange(len(pk[p])))) for p in spec.perm_names) for pk in perms]

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .reuse import AlignmentMemo
+from .reuse import AlignmentMemo, ModelCache
 from .validate import check_models, check_num_examples
 
 FISHER_SCALINGS = ("none", "size", "normalized", "normalized-size")
@@ -83,6 +83,8 @@ class PreparedClients:
     alignments : AlignmentMemo
         Alignment iterations computed so far, shared by merges that reach the same state
         (:mod:`fedfiot_flwr.merge.reuse`).
+    aligned_merges : ModelCache
+        Aligned merges by ``(fisher_scaling, rho, lam, aggregation, alignment)`` (256 MiB at most).
     """
 
     models: list[Model]
@@ -97,6 +99,7 @@ class PreparedClients:
     _factors: dict = field(default_factory=dict, repr=False)
     identity_merges: dict = field(default_factory=dict, repr=False)
     alignments: AlignmentMemo = field(default_factory=AlignmentMemo, repr=False)
+    aligned_merges: ModelCache = field(default_factory=ModelCache, repr=False)
 
     def __len__(self) -> int:
         return len(self.models)

@@ -7,12 +7,14 @@ is the first iteration's assignment alone (the next global layer is the merge of
 aligns), not the reference. So two candidates of a sweep that differ only by their reference
 (``"largest"`` vs ``"broadcast"``) and whose first iterations assign alike continue identically:
 the second one takes the first one's remaining iterations from :class:`AlignmentMemo`,
-bit-identically.
+bit-identically. :class:`ModelCache` keeps the aligned merges, so that two candidates that reach
+the same alignment merge once.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -82,3 +84,45 @@ class AlignmentMemo:
     def put(self, key: Hashable, tail: AlignmentTail) -> None:
         """Store ``tail`` under ``key``."""
         self.tails[key] = tail
+
+
+class ModelCache:
+    """Merged models by key, least recently used dropped beyond ``max_bytes``.
+
+    Attributes
+    ----------
+    max_bytes : int
+        Budget of the cached models' arrays.
+
+    Examples
+    --------
+    >>> cache = ModelCache(max_bytes=16)
+    >>> cache.put("a", ({"w": np.zeros(2)}, 0.0)); cache.put("b", ({"w": np.ones(2)}, 1.0))
+    >>> cache.get("a") is None, cache.get("b")[1]
+    (True, 1.0)
+    """
+
+    def __init__(self, max_bytes: int = 2**28) -> None:
+        self.max_bytes = int(max_bytes)
+        self._items: OrderedDict[Hashable, tuple[dict[str, np.ndarray], float]] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+
+    def get(self, key: Hashable) -> tuple[dict[str, np.ndarray], float] | None:
+        """The ``(model, objective)`` stored under ``key``, or None."""
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+            self.hits += 1
+        return item
+
+    def put(self, key: Hashable, item: tuple[dict[str, np.ndarray], float]) -> None:
+        """Store ``(model, objective)`` (not when it alone exceeds the budget)."""
+        size = sum(np.asarray(x).nbytes for x in item[0].values())
+        if size > self.max_bytes or key in self._items:
+            return
+        while self._items and self._bytes + size > self.max_bytes:
+            _, (old, _) = self._items.popitem(last=False)
+            self._bytes -= sum(np.asarray(x).nbytes for x in old.values())
+        self._items[key] = item
+        self._bytes += size
