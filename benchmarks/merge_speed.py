@@ -17,6 +17,7 @@ import numpy as np
 
 from fedfiot_flwr.merge import assign, cnn_spec, fisher_cost_matrix, merge
 from fedfiot_flwr.merge.costs import fisher_cost_matrices
+from fedfiot_flwr.merge.lap import lapjv_available
 
 RESULTS = Path(__file__).parent / "results"
 NAIVE_ELEMENTS = 2**25  # row chunk of the broadcast, so that the naive version fits in memory at all
@@ -75,25 +76,43 @@ def paper_cnn(repeats: int) -> list[str]:
     spec = cnn_spec(["conv1", "conv2"], ["fc1", "fc2", "fc3"], flatten_block=25)
     rng = np.random.default_rng(0)
     base = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
-    rows = ["| setting | parameters | K | S | merge (s) | plain average (s) | merge / average | inner iterations |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| setting | parameters | K | S | merge (s) | merge, certify (s) | certify / exact | same merge | "
+            "merge, f32 + LAPJV + certify (s) | / exact | same permutations | plain average (s) | merge / average "
+            "| inner iterations |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fast = {"cost_dtype": "float32", "lap_solver": "lapjv" if lapjv_available() else "scipy", "certify": True}
     for noise in (0.1, 1.0):
         models = [{n: (v + noise * rng.normal(size=v.shape)).astype(np.float32) for n, v in base.items()}
                   for _ in range(6)]
         fishers = [{n: (rng.exponential(size=v.shape) ** 2).astype(np.float32) for n, v in base.items()}
                    for _ in range(6)]
-        times = []
-        for _ in range(repeats):
-            t, res = timed(lambda: merge(models, fishers, spec, max_iters=8, reference=0))
-            times.append(t)
-        t_avg = min(timed(lambda: {n: np.mean([m[n] for m in models], axis=0) for n in shapes})[0]
+        times: dict[str, list[float]] = {"exact": [], "certify": [], "fast": []}
+        results = {}
+        for _ in range(repeats):  # interleaved; process CPU time, minimum of the repeats
+            for label, opts in (("exact", {}), ("certify", {"certify": True}), ("fast", fast)):
+                t, results[label] = cpu_timed(lambda: merge(models, fishers, spec, max_iters=8, reference=0, **opts))
+                times[label].append(t)
+        t_avg = min(cpu_timed(lambda: {n: np.mean([m[n] for m in models], axis=0) for n in shapes})[0]
                     for _ in range(repeats))
-        iters = "/".join(str(r.iterations) for r in res.reports.values())
-        n_params = sum(int(np.prod(s)) for s in shapes.values())
-        rows.append(f"| clients = shared base + N(0, {noise}^2) noise | {n_params:,} | 6 | 8 | {min(times):.2f} | "
-                    f"{t_avg:.4f} | {min(times) / t_avg:.0f} | {iters} |")
+        exact, cert, quick = results["exact"], results["certify"], results["fast"]
+        same = all(np.array_equal(exact.model[n], cert.model[n]) for n in exact.model)
+        same_p = all(np.array_equal(a, b) for p in exact.permutations
+                     for a, b in zip(exact.permutations[p], quick.permutations[p]))
+        iters = "/".join(str(r.iterations) for r in exact.reports.values())
+        n_params = sum(int(np.prod(sh)) for sh in shapes.values())
+        te, tc, tf = min(times["exact"]), min(times["certify"]), min(times["fast"])
+        rows.append(f"| clients = shared base + N(0, {noise}^2) noise | {n_params:,} | 6 | 8 | {te:.2f} | {tc:.2f} | "
+                    f"{tc / te:.2f} | {'yes' if same else 'NO'} | {tf:.2f} | {tf / te:.2f} | "
+                    f"{'yes' if same_p else 'NO'} | {t_avg:.4f} | {te / t_avg:.0f} | {iters} |")
         print(rows[-1], flush=True)
     return rows
+
+
+def cpu_timed(fn):
+    """``(process CPU seconds, value)`` of ``fn()``."""
+    start = time.process_time()
+    value = fn()
+    return time.process_time() - start, value
 
 
 def main() -> None:
@@ -109,7 +128,8 @@ def main() -> None:
             "# Merge speed: the paper's CNN", "",
             f"Machine: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores; numpy "
             f"{np.__version__}. Command: `.venv/bin/python benchmarks/merge_speed.py --cnn-only` "
-            f"({time.perf_counter() - start:.0f} s). K = 6, S = 8, best of 5.", "", *cnn, ""]))
+            f"({time.perf_counter() - start:.0f} s). K = 6, S = 8; process CPU seconds, one thread, minimum of 5 "
+            "interleaved repeats. certify: certified warm-started assignments (exact).", "", *cnn, ""]))
         print(f"wrote {out}")
         return
     widths = [64, 128] if args.quick else [256, 1024, 4096]
