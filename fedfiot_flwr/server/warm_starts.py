@@ -12,7 +12,6 @@ checked against cold starts by the tests and ``benchmarks/sweep_cost.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,12 +63,3 @@ class WarmStarts:
                 best = (dist, perms)
         return None if best is None else best[1]
 
-
-def is_identity(perms: Permutations | Sequence[np.ndarray]) -> bool:
-    """Whether every permutation of every client is the identity.
-
-    >>> is_identity({"P": [np.arange(3), np.array([0, 2, 1])]})
-    False
-    """
-    groups = perms.values() if isinstance(perms, dict) else [perms]
-    return all(np.array_equal(p, np.arange(len(p))) for group in groups for p in group)
