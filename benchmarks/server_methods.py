@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import ConcatDataset, DataLoader, Subset
+from torch.utils.data import ConcatDataset, DataLoader
 
 from benchmarks import harness as H
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.refinement import split_folds
+from fedfiot_flwr.server.refinement import fold_subsets
 from fedfiot_flwr.server.selection import merge_round
 from fedfiot_flwr.server_refine import RefineOptions, refine_merged_model
 from fedfiot_flwr.task import train
@@ -52,16 +52,14 @@ Model = dict[str, np.ndarray]
 def fold_loaders(split: FederatedSplit, batch_size: int = 500) -> tuple[DataLoader, DataLoader]:
     """DataLoaders of the fitting and selection folds of the server validation set (the strategy's
     own split, :func:`fedfiot_flwr.server.refinement.split_folds`)."""
-    fit, sel = split_folds(len(split.validation))
-    return (DataLoader(Subset(split.validation, fit.tolist()), batch_size=batch_size),
-            DataLoader(Subset(split.validation, sel.tolist()), batch_size=batch_size))
+    fit, sel = fold_subsets(split.validation)
+    return DataLoader(fit, batch_size=batch_size), DataLoader(sel, batch_size=batch_size)
 
 
 def selection_evaluator(split: FederatedSplit, build: Callable[[], torch.nn.Module],
                         device: torch.device | None = None) -> H.Evaluator:
     """An :class:`~benchmarks.harness.Evaluator` whose ``validate`` sees the selection fold only."""
-    _, sel = split_folds(len(split.validation))
-    return H.Evaluator(replace(split, validation=Subset(split.validation, sel.tolist())), build, device)
+    return H.Evaluator(replace(split, validation=fold_subsets(split.validation)[1]), build, device)
 
 
 def _test_logits(model: torch.nn.Module, ev: H.Evaluator) -> tuple[torch.Tensor, torch.Tensor]:

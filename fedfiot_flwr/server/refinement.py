@@ -30,7 +30,7 @@ from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.server_refine import RefineOptions, RefineReport, refine_merged_model
 from fedfiot_flwr.validation import ValidateFn, make_validate_fn
 
-__all__ = ["ServerRefinement", "split_folds"]
+__all__ = ["ServerRefinement", "fold_subsets", "split_folds"]
 
 Model = dict[str, np.ndarray]
 
@@ -54,6 +54,12 @@ def split_folds(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"the server refinement needs at least 2 labelled examples, got {n}")
     order = np.random.default_rng(seed).permutation(n)
     return np.sort(order[: n // 2]), np.sort(order[n // 2:])
+
+
+def fold_subsets(data: Dataset[Any], seed: int = 0) -> tuple[Subset[Any], Subset[Any]]:
+    """``data``'s fitting and selection folds (:func:`split_folds`) as ``Subset``\ s."""
+    fit, select = split_folds(len(data), seed)  # type: ignore[arg-type]
+    return Subset(data, fit.tolist()), Subset(data, select.tolist())
 
 
 class ServerRefinement:
@@ -97,9 +103,10 @@ class ServerRefinement:
     ) -> None:
         self.options = options
         self.spec = spec
-        self.fit_indices, self.select_indices = split_folds(len(data), fold_seed)  # type: ignore[arg-type]
-        self.fit_loader = DataLoader(Subset(data, self.fit_indices.tolist()), batch_size=batch_size)
-        self.select_loader = DataLoader(Subset(data, self.select_indices.tolist()), batch_size=batch_size)
+        fit, select = fold_subsets(data, fold_seed)
+        self.fit_indices, self.select_indices = np.asarray(fit.indices), np.asarray(select.indices)
+        self.fit_loader = DataLoader(fit, batch_size=batch_size)
+        self.select_loader = DataLoader(select, batch_size=batch_size)
         self._scratch = copy.deepcopy(model).cpu()
         self._validate_fn = make_validate_fn(copy.deepcopy(model), self.select_loader, device)
 
