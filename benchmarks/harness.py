@@ -38,6 +38,7 @@ from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.fisher import diagonal_fisher
 from fedfiot_flwr.merge import METHODS, PermutationSpec, merge
 from fedfiot_flwr.models import permutation_spec
+from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.selection import Candidate, MergeOutcome, SweepGrid, merge_round
 from fedfiot_flwr.server.shell import buffers_of
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads
@@ -446,6 +447,11 @@ class MethodPlan:
         :func:`fedfiot_flwr.server.selection.merge_round`'s fallback.
     upload : {"q16", "fp32"}
         The 16-bit uploads (default) or their float32 originals.
+    fedavg_candidate : bool
+        FedAvg of the same uploads competes on validation.
+    fisher_cap, certify
+        :func:`fedfiot_flwr.server.selection.merge_round`'s robust Fisher cap and certified
+        assignments (the library's default preset sets both; see :func:`default_preset_plan`).
     """
 
     name: str
@@ -455,6 +461,8 @@ class MethodPlan:
     fallback: str
     upload: str = "q16"
     fedavg_candidate: bool = False
+    fisher_cap: float | None = None
+    certify: bool = False
 
     def knobs(self) -> str:
         """Human-readable description of the grid."""
@@ -477,6 +485,18 @@ class MethodPlan:
         elif METHODS[self.preset]["matching"] != "none" and self.fallback == "objective":
             text += "; identity fallback by objective (paper)"
         return text + f" [{self.upload} uploads]"
+
+
+DEFAULT_PRESET = FedFiOTConfig.default()
+"""The library's default preset, which the ``fedfiot-default`` row runs (on the benchmark's grid)."""
+
+
+def default_preset_plan(grid: SweepGrid) -> MethodPlan:
+    """The ``fedfiot-default`` row: :data:`DEFAULT_PRESET`'s merge options with the benchmark's ``grid``."""
+    cfg = DEFAULT_PRESET
+    return MethodPlan("fedfiot-default", "fedfiot", Candidate(cfg.rho, cfg.lam, cfg.reference, cfg.fisher_scaling),
+                      grid, cfg.selection, fedavg_candidate=cfg.fedavg_candidate, fisher_cap=cfg.fisher_cap,
+                      certify=cfg.certify)
 
 
 def method_plans(names: Sequence[str], init: str, grid: str = "paper", broadcast_reference: bool = True,
@@ -517,9 +537,7 @@ def method_plans(names: Sequence[str], init: str, grid: str = "paper", broadcast
         "fedfiot-val": MethodPlan("fedfiot-val", "fedfiot", default, SweepGrid(rhos, lams, refs, ("none", "size")),
                                   "validation"),
         # The library's default preset: validation picks aligned / identity / FedAvg.
-        "fedfiot-default": MethodPlan("fedfiot-default", "fedfiot", default,
-                                      SweepGrid(rhos, lams, refs, ("none", "size")), "validation",
-                                      fedavg_candidate=True),
+        "fedfiot-default": default_preset_plan(SweepGrid(rhos, lams, refs, DEFAULT_PRESET.sweep.fisher_scalings)),
     }
     unknown = [n for n in names if n not in plans]
     if unknown:
@@ -581,7 +599,8 @@ def apply_method(
         collected, spec, plan.default, max_iters=int(options.get("max_iters", max_iters)),
         matching=options["matching"], aggregation=options["aggregation"], fallback=plan.fallback, buffers=buffers,
         broadcast=uploads.broadcast, server_round=round_for_grid, sweep=plan.grid, validate=validate,
-        metric="accuracy", baseline=False, fedavg_candidate=plan.fedavg_candidate,
+        metric="accuracy", baseline=False, fedavg_candidate=plan.fedavg_candidate, fisher_cap=plan.fisher_cap,
+        certify=plan.certify,
     )
     sweep_seconds = time.perf_counter() - t0
     res = outcome.result

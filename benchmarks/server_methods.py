@@ -140,6 +140,7 @@ def fedfiot_merge_on_fold(uploads: H.Uploads, spec: PermutationSpec, buffers: Se
         buffers=buffers, broadcast=uploads.broadcast,
         server_round=2 if offers_broadcast and uploads.broadcast is not None else 1,
         sweep=plan.grid, validate=sel_ev.validate, metric="accuracy", baseline=False, fedavg_candidate=False,
+        fisher_cap=plan.fisher_cap, certify=plan.certify,
     )
 
 

@@ -8,7 +8,8 @@ models on that data and hands the linear algebra to :mod:`fedfiot_flwr.merge.ref
   merge (REPAIR, least-squares refinement at several ridges, both, and optionally each
   client on its own), fitting every candidate on ``fit_loader`` only, and returns the one
   with the best accuracy on ``select_loader``. The two loaders must hold disjoint examples:
-  whatever fits parameters never selects.
+  whatever fits parameters never selects. With ``RefineOptions.refit`` the chosen recipe is
+  then fitted once more on both folds, after the choice.
 * :func:`least_squares_refine` -- layer by layer (forward order), refit the merged layer
   so that the merged model's own inputs to it reproduce the mean of the aligned clients'
   outputs of that layer (pre-activations), with a ridge toward the merged weights.
@@ -93,6 +94,12 @@ class RefineOptions:
         ``1 - distill_weight`` goes to cross-entropy on the fitting fold's labels.
     temperature : float
         Distillation temperature.
+    refit : bool
+        After the selection fold has chosen a fitted candidate (least squares, REPAIR or a
+        fine-tuning checkpoint), build that same recipe again (same ridge, same number of
+        epochs) on both folds together and return the result, as a grid search refits its
+        winner on all the data. The choice itself is made before the selection fold is fitted
+        on; the merge and the client models are returned as they are.
     """
 
     ridges: tuple[float, ...] = (1e-2, 1e-1)
@@ -106,6 +113,7 @@ class RefineOptions:
     finetune_lr: float = 0.01
     distill_weight: float = 0.5
     temperature: float = 2.0
+    refit: bool = False
 
 
 @dataclass
@@ -124,6 +132,8 @@ class RefineReport:
         before and after its refit (``[before, after]`` per layer, flattened).
     fit_examples, select_examples : int
         Examples in each fold (fitting rows before augmentation).
+    refit_examples : int
+        Examples the returned candidate was refitted on (both folds; 0 when not refitted).
     seconds : float
         Wall time of the whole refinement (all candidates).
     candidates : dict[str, dict]
@@ -135,6 +145,7 @@ class RefineReport:
     fit_errors: dict[str, list[float]] = field(default_factory=dict)
     fit_examples: int = 0
     select_examples: int = 0
+    refit_examples: int = 0
     seconds: float = 0.0
     candidates: dict[str, Model] = field(default_factory=dict)
 
@@ -495,6 +506,45 @@ def _accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
 # ----------------------------------------------------------------------------- entry point
 
 
+@dataclass(frozen=True)
+class _Recipe:
+    """How a refined candidate is built from the merge: REPAIR, then least squares, then fine-tuning."""
+
+    repair: bool = False
+    ridge: float | None = None
+    epochs: int = 0
+
+
+@dataclass
+class _FitData:
+    """The rows a candidate is fitted on (one fold, or both folds for the refit)."""
+
+    batches: list[torch.Tensor]
+    labels: list[torch.Tensor]
+    targets: list[dict[str, torch.Tensor]]
+    ft_batches: list[torch.Tensor]
+    ft_labels: torch.Tensor
+    teacher: list[torch.Tensor]
+    stats: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+
+
+def _fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence[Model], layers: Sequence[tuple[str, nn.Module]],
+              options: RefineOptions, num_examples: Sequence[int] | None) -> _FitData:
+    """Everything fitted candidates need from ``rows``: layer targets and the fine-tuning teacher."""
+    batches, labels = _collect_fit(rows, 0, options.seed)
+    row_weights = _example_weights(model, aligned, batches, labels, options.target_weights, num_examples)
+    targets = _client_targets(model, aligned, row_weights, layers, batches)
+    ft_batches, ft_labels = batches, labels
+    teacher: list[torch.Tensor] = []
+    if options.finetune_epochs > 0:
+        # Fine-tuning rows: the fitting rows plus their augmented copies; teacher = the
+        # label-weighted (or plain) mean of the aligned clients' logits on the same rows.
+        ft_batches, ft_labels = _collect_fit(rows, options.augment_copies, options.seed)
+        ft_weights = _example_weights(model, aligned, ft_batches, ft_labels, options.target_weights, num_examples)
+        teacher = [t[layers[-1][0]] for t in _client_targets(model, aligned, ft_weights, layers[-1:], ft_batches)]
+    return _FitData(batches, labels, targets, ft_batches, torch.cat(ft_labels), teacher)
+
+
 def refine_merged_model(
     merged: Mapping[str, np.ndarray],
     clients: Sequence[Mapping[str, np.ndarray]],
@@ -518,8 +568,9 @@ def refine_merged_model(
     model : nn.Module
         A module of the architecture (its weights are overwritten; used as scratch).
     fit_loader, select_loader : iterable of (x, y) batches
-        Disjoint folds of the server's data: the first fits every candidate's parameters
-        (labels unused), the second only scores the candidates.
+        Disjoint folds of the server's data: the first fits every candidate's parameters,
+        the second only scores the candidates (and, with ``options.refit``, joins the
+        first for the chosen recipe's final fit, after the choice is made).
     spec, permutations : optional
         The merge's permutation spec and ``MergeResult.permutations`` (client ``k``'s
         permutation of each hidden layer); without them the clients are taken as they are
@@ -568,93 +619,83 @@ def refine_merged_model(
     if options.target_weights == "size":
         weights = [float(n) / float(sum(num_examples)) for n in num_examples]  # type: ignore[arg-type]
 
-    batches, fit_labels = _collect_fit(fit_loader, 0, options.seed)
-    fit_examples = sum(len(b) for b in batches)
+    fit_rows = list(fit_loader)
+    first, _ = _collect_fit(fit_rows, 0, options.seed)
+    layers = layer_modules(model, first[0])
+    data = _fit_data(fit_rows, model, aligned, layers, options, num_examples)
     select_batches = [(split_batch(b)[0].float(), split_batch(b)[1]) for b in select_loader]
-    select_examples = sum(len(y) for _, y in select_batches)
-    layers = layer_modules(model, batches[0])
-    row_weights = _example_weights(model, aligned, batches, fit_labels, options.target_weights, num_examples)
-    targets = _client_targets(model, aligned, row_weights, layers, batches)
-    report = RefineReport(chosen="merged", fit_examples=fit_examples, select_examples=select_examples)
-
-    candidates: list[tuple[str, Callable[[], Model]]] = [("merged", lambda: dict(merged))]
-
-    def build(use_repair: bool, ridge: float | None, label: str) -> Callable[[], Model]:
-        def make() -> Model:
-            _load(model, merged)
-            recalibrate_batchnorm(model, batches)
-            if use_repair:
-                repair(model, layers, batches, stats())
-                recalibrate_batchnorm(model, batches)
-            if ridge is not None:
-                report.fit_errors[label] = least_squares_refine(model, layers, batches, targets, ridge)
-                recalibrate_batchnorm(model, batches)
-            return _state(model)
-        return make
-
+    report = RefineReport(chosen="merged", fit_examples=sum(len(b) for b in data.batches),
+                          select_examples=sum(len(y) for _, y in select_batches))
     # REPAIR's client statistics need their own forward passes: a second copy of the module,
-    # so that the candidate being built is not overwritten; computed once, on first use.
+    # so that the candidate being built is not overwritten; computed once per data, on first use.
     model_scratch = copy.deepcopy(model)
     layers_scratch = [(n, dict(model_scratch.named_modules())[n]) for n, _ in layers]
-    cache: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
 
-    def stats() -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        if "s" not in cache:
-            cache["s"] = _client_neuron_stats(model_scratch, aligned, weights, layers_scratch, batches)
-        return cache["s"]
+    def build(recipe: _Recipe, on: _FitData, label: str | None = None) -> Iterable[tuple[int, Model]]:
+        """``(epochs, state)`` of the recipe on ``on``: the state before fine-tuning, then its checkpoints."""
+        _load(model, merged)
+        recalibrate_batchnorm(model, on.batches)
+        if recipe.repair:
+            if on.stats is None:
+                on.stats = _client_neuron_stats(model_scratch, aligned, weights, layers_scratch, on.batches)
+            repair(model, layers, on.batches, on.stats)
+            recalibrate_batchnorm(model, on.batches)
+        if recipe.ridge is not None:
+            errors = least_squares_refine(model, layers, on.batches, on.targets, recipe.ridge)
+            if label is not None:
+                report.fit_errors[label] = errors
+            recalibrate_batchnorm(model, on.batches)
+        yield 0, _state(model)
+        if recipe.epochs > 0:
+            yield from distill_finetune(model, on.ft_batches, on.ft_labels, on.teacher,
+                                        replace(options, finetune_epochs=recipe.epochs))
 
-    if options.repair:
-        candidates.append(("repair", build(True, None, "repair")))
+    recipes: dict[str, _Recipe] = {"repair": _Recipe(repair=True)} if options.repair else {}
     for r in options.ridges:
-        candidates.append((f"ls-r{r:g}", build(False, r, f"ls-r{r:g}")))
+        recipes[f"ls-r{r:g}"] = _Recipe(ridge=r)
         if options.repair:
-            candidates.append((f"repair+ls-r{r:g}", build(True, r, f"repair+ls-r{r:g}")))
-    if options.finetune_epochs > 0:
-        # Fine-tuning rows: the fitting fold plus its augmented copies; teacher = the
-        # label-weighted (or plain) mean of the aligned clients' logits on the same rows.
-        ft_batches, ft_labels = _collect_fit(fit_loader, options.augment_copies, options.seed)
-        ft_weights = _example_weights(model, aligned, ft_batches, ft_labels, options.target_weights, num_examples)
-        teacher = [t[layers[-1][0]] for t in _client_targets(model, aligned, ft_weights, layers[-1:], ft_batches)]
-        ft_y = torch.cat(ft_labels)
-    if options.client_candidates:
-        for k, c in enumerate(clients):
-            candidates.append((f"client-{k}", lambda c=c: {n: np.asarray(v) for n, v in c.items()}))
+            recipes[f"repair+ls-r{r:g}"] = _Recipe(repair=True, ridge=r)
 
-    best_name, best_acc, best_model = "", -math.inf, None
-    best_refined: tuple[float, str, Model] | None = None
+    best: tuple[float, str, Model] = (-math.inf, "", {})
 
     def consider(name: str, state: Model) -> None:
-        nonlocal best_name, best_acc, best_model, best_refined
+        nonlocal best
         acc = _accuracy(_load(model, state), select_batches)
         report.selection_accuracy[name] = acc
         if options.keep_candidates:
             report.candidates[name] = state
         if log:
             log(f"    refine candidate {name:18s} selection acc {100 * acc:5.1f}%")
-        if acc > best_acc:
-            best_name, best_acc, best_model = name, acc, state
-        if not name.startswith("client-") and name != "merged" and (best_refined is None or acc > best_refined[0]):
-            best_refined = (acc, name, state)
+        if acc > best[0]:
+            best = (acc, name, state)
 
-    def finetune() -> None:
+    consider("merged", dict(merged))
+    for name, recipe in recipes.items():
+        consider(name, next(iter(build(recipe, data, name)))[1])
+    if options.finetune_epochs > 0:
         # One start: the merge or the best least-squares/REPAIR candidate, whichever scores
         # better on the selection fold; every other epoch's checkpoint is a candidate.
-        start_name, start_state = "merged", dict(merged)
-        if best_refined is not None and best_refined[0] > report.selection_accuracy["merged"]:
-            start_name, start_state = best_refined[1], best_refined[2]
-        _load(model, start_state)
-        for epoch, state in distill_finetune(model, ft_batches, ft_y, teacher, options):
-            consider(f"ft{epoch}({start_name})", state)
-
-    for name, make in candidates:
-        if name.startswith("client-") and options.finetune_epochs > 0:
-            finetune()
-            options = replace(options, finetune_epochs=0)  # once, before the first client candidate
-        consider(name, make())
-    if options.finetune_epochs > 0:  # no client candidates: fine-tune at the end
-        finetune()
-    assert best_model is not None
-    report.chosen = best_name
+        start_name = max(recipes, key=lambda n: report.selection_accuracy[n], default="merged")
+        if report.selection_accuracy.get(start_name, -1.0) <= report.selection_accuracy["merged"]:
+            start_name = "merged"
+        start_recipe = replace(recipes.get(start_name, _Recipe()), epochs=options.finetune_epochs)
+        for epoch, state in build(start_recipe, data):
+            if epoch > 0:
+                name = f"ft{epoch}({start_name})"
+                recipes[name] = replace(start_recipe, epochs=epoch)
+                consider(name, state)
+    if options.client_candidates:
+        for k, c in enumerate(clients):
+            consider(f"client-{k}", {n: np.asarray(v) for n, v in c.items()})
+    report.chosen, chosen_model = best[1], best[2]
+    if options.refit and report.chosen in recipes:
+        # The choice is made; refit its recipe on both folds (as a grid search refits its winner).
+        both = _fit_data(fit_rows + list(select_loader), model, aligned, layers, options, num_examples)
+        recipe = recipes[report.chosen]
+        for epoch, state in build(recipe, both):
+            if epoch == recipe.epochs:
+                chosen_model = state
+                report.refit_examples = sum(len(b) for b in both.batches)
     report.seconds = time.perf_counter() - start
     dtypes = {k: np.asarray(v).dtype for k, v in merged.items()}
-    return {k: np.asarray(v).astype(dtypes[k]) for k, v in best_model.items()}, report
+    return {k: np.asarray(v).astype(dtypes[k]) for k, v in chosen_model.items()}, report

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -158,6 +160,57 @@ def test_refine_offers_clients_and_picks_the_best_on_selection() -> None:
     out, rep = refine_merged_model(merged, clients, model, _loader(100, 8), select,
                                    options=RefineOptions(ridges=(), client_candidates=True, finetune_epochs=0))
     assert rep.chosen == "client-1" and rep.selection_accuracy["client-1"] == 1.0
+    np.testing.assert_array_equal(out["fc1.weight"], clients[1]["fc1.weight"])
+
+
+def _ensemble_loader(clients: list[dict[str, np.ndarray]], n: int, seed: int) -> DataLoader:
+    """Inputs labelled by the clients' averaged logits (what the refinement's targets reproduce)."""
+    x = torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
+    net = build_model("mlp", (1, 8, 8), 10)
+    logits = 0
+    for c in clients:
+        net.load_state_dict({k: torch.as_tensor(v) for k, v in c.items()})
+        logits = logits + net(x).detach()
+    return DataLoader(TensorDataset(x, logits.argmax(1)), batch_size=64)
+
+
+def _both_folds(fit: DataLoader, select: DataLoader) -> DataLoader:
+    x = torch.cat([b[0] for b in (*fit, *select)])
+    y = torch.cat([b[1] for b in (*fit, *select)])
+    return DataLoader(TensorDataset(x, y), batch_size=64)
+
+
+@pytest.mark.parametrize("epochs", [0, 2])
+def test_refit_keeps_the_choice_and_rebuilds_the_recipe_on_both_folds(epochs: int) -> None:
+    clients, model = _clients()
+    merged = {k: np.zeros_like(v) for k, v in clients[0].items()}  # a useless merge: a fitted candidate wins
+    fit, select = _ensemble_loader(clients, 200, 5), _ensemble_loader(clients, 100, 6)
+    opts = RefineOptions(ridges=(1e-3,), client_candidates=False, finetune_epochs=epochs, augment_copies=1,
+                         keep_candidates=True)
+    plain, rep_plain = refine_merged_model(merged, clients, model, fit, select, options=opts)
+    refit, rep = refine_merged_model(merged, clients, model, fit, select, options=replace(opts, refit=True))
+    assert rep.chosen == rep_plain.chosen != "merged"
+    assert rep.selection_accuracy == rep_plain.selection_accuracy
+    assert rep_plain.refit_examples == 0 and rep.refit_examples == 300
+    # The refit is the chosen recipe fitted on both folds' rows, as a run on their union builds it.
+    whole = replace(opts, finetune_epochs=max(epochs, 0))
+    _, rep_union = refine_merged_model(merged, clients, model, _both_folds(fit, select), select, options=whole)
+    for k in refit:
+        np.testing.assert_array_equal(refit[k], rep_union.candidates[rep.chosen][k])
+        np.testing.assert_array_equal(plain[k], rep_plain.candidates[rep.chosen][k])
+    assert any(not np.array_equal(refit[k], plain[k]) for k in refit)
+
+
+def test_refit_returns_a_chosen_client_or_merge_as_it_is() -> None:
+    clients, model = _clients()
+    x = torch.randn(120, 1, 8, 8, generator=torch.Generator().manual_seed(7))
+    teacher = build_model("mlp", (1, 8, 8), 10, seed=1)
+    teacher.load_state_dict({k: torch.as_tensor(v) for k, v in clients[1].items()})
+    select = DataLoader(TensorDataset(x, teacher(x).argmax(1).detach()), batch_size=64)
+    merged = {k: np.zeros_like(v) for k, v in clients[0].items()}
+    out, rep = refine_merged_model(merged, clients, model, _loader(100, 8), select,
+                                   options=RefineOptions(ridges=(1e-2,), finetune_epochs=0, refit=True))
+    assert rep.chosen == "client-1" and rep.refit_examples == 0
     np.testing.assert_array_equal(out["fc1.weight"], clients[1]["fc1.weight"])
 
 

@@ -206,8 +206,9 @@ def test_without_validation_one_rule_is_announced_once(caplog) -> None:
 def test_paper_and_default_configurations_differ_only_where_documented() -> None:
     paper, default = FedFiOTConfig.paper(), FedFiOTConfig.default()
     differ = {k for k, v in paper.as_dict().items() if default.as_dict()[k] != v}
-    assert differ == {"name", "selection", "sweep", "fedavg_candidate", "fisher_cap", "refine"}
+    assert differ == {"name", "selection", "sweep", "fedavg_candidate", "fisher_cap", "refine", "certify"}
     assert paper.fisher_cap is None and paper.refine is None  # the paper weighs the Fishers as uploaded
+    assert default.certify and not paper.certify  # certified assignments: the same permutations, faster
     # The refinement needs labelled server data; with it, its candidates replace the FedAvg candidate.
     assert default.with_server_data(False).refine is None and default.with_server_data(False).fedavg_candidate
     assert not default.with_server_data(True).fedavg_candidate and default.without_validation().refine is None
@@ -218,6 +219,32 @@ def test_paper_and_default_configurations_differ_only_where_documented() -> None
         FedFiOTConfig(selection="accuracy")
     with pytest.raises(ValueError, match="lam"):
         FedFiOTConfig.paper(lam=0.0)
+
+
+def test_the_speed_options_reach_the_merge_and_certify_leaves_the_model_unchanged(monkeypatch) -> None:
+    from fedfiot_flwr.server import aggregators
+
+    seen: list[dict] = []
+    real = aggregators.merge_round
+
+    def spy(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("certify", "cost_dtype", "lap_solver")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(aggregators, "merge_round", spy)
+    replies = _replies(client_uploads(4, seed=3))
+    models = []
+    for certify in (True, False):
+        config = FedFiOTConfig.default(sweep=None, max_iters=4, certify=certify, lam=1e-3)
+        models.append(arrays_to_numpy(FedFiOT(spec=SPEC, config=config).aggregate_train(1, replies)[0]))
+    assert seen == [{"certify": True, "cost_dtype": "float64", "lap_solver": "scipy"},
+                    {"certify": False, "cost_dtype": "float64", "lap_solver": "scipy"}]
+    for k in SHAPES:
+        np.testing.assert_array_equal(models[0][k], models[1][k])
+    FedFiOT(spec=SPEC, config=FedFiOTConfig.default(sweep=None, cost_dtype="float32")).aggregate_train(1, replies)
+    assert seen[-1]["cost_dtype"] == "float32"
+    with pytest.raises(ValueError, match="cost_dtype"):
+        FedFiOTConfig.default(cost_dtype="float16")
 
 
 def test_recorded_start_runs_rounds_writes_results_and_checkpoints(tmp_path) -> None:

@@ -202,6 +202,9 @@ class FedFiOTAggregator:
             baseline=cfg.fedavg_candidate and validate is not None,
             fedavg_candidate=cfg.fedavg_candidate,
             fisher_cap=cfg.fisher_cap,
+            cost_dtype=cfg.cost_dtype,
+            lap_solver=cfg.lap_solver,
+            certify=cfg.certify,
         )
         res, cand = outcome.result, outcome.candidate
         iters = [int(r.iterations) for r in res.reports.values()]

@@ -30,7 +30,7 @@ from typing import Any
 
 from fedfiot_flwr.merge import FISHER_SCALINGS
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
-from fedfiot_flwr.merge.validate import check_options
+from fedfiot_flwr.merge.validate import check_options, check_speed_options
 from fedfiot_flwr.server.selection import FALLBACKS, REFERENCES, SweepGrid
 from fedfiot_flwr.server_refine import RefineOptions
 
@@ -77,6 +77,16 @@ class FedFiOTConfig:
         Server refinement of every round's merge on labelled server data
         (:class:`~fedfiot_flwr.server.refinement.ServerRefinement`); ``None``: no refinement.
         It runs only when the strategy gets ``server_data``.
+    certify : bool
+        Try each client's previous assignment first and keep it when a dual certificate proves
+        it optimal (:mod:`fedfiot_flwr.merge.certify`): the same permutations and the same model
+        as solving every assignment, for less time.
+    cost_dtype : {"float64", "float32"}
+        Precision of the alignment's cost matrices (float32: faster, may break near-ties
+        differently; the paper's configuration keeps float64).
+    lap_solver : {"scipy", "lapjv", "auto"}
+        Assignment solver (``"lapjv"`` needs the optional ``lap`` package; ``"auto"`` uses it
+        when installed).
     """
 
     name: str = "custom"
@@ -93,9 +103,13 @@ class FedFiOTConfig:
     selection_metric: str = "accuracy"
     fisher_cap: float | None = None
     refine: RefineOptions | None = None
+    certify: bool = False
+    cost_dtype: str = "float64"
+    lap_solver: str = "scipy"
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
+        check_speed_options(self.cost_dtype, "numpy", self.lap_solver)
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if not (isinstance(self.reference, int) or self.reference in REFERENCES):
@@ -116,7 +130,7 @@ class FedFiOTConfig:
     def default(cls, **changes: Any) -> FedFiOTConfig:
         """This project's default: validation chooses among aligned, identity and FedAvg of the same uploads."""
         base = cls(name="default", selection="validation", sweep=SweepGrid(fisher_scalings=("none", "size")),
-                   fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP, refine=RefineOptions())
+                   fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP, refine=RefineOptions(), certify=True)
         return replace(base, **changes)
 
     @classmethod

@@ -57,7 +57,7 @@ def split_folds(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def fold_subsets(data: Dataset[Any], seed: int = 0) -> tuple[Subset[Any], Subset[Any]]:
-    """``data``'s fitting and selection folds (:func:`split_folds`) as ``Subset``\ s."""
+    r"""``data``'s fitting and selection folds (:func:`split_folds`) as ``Subset``\ s."""
     fit, select = split_folds(len(data), seed)  # type: ignore[arg-type]
     return Subset(data, fit.tolist()), Subset(data, select.tolist())
 

@@ -1,0 +1,114 @@
+"""Does refitting the refinement's chosen recipe on both folds help? Judged on held-out validation only.
+
+The server refinement fits candidates on one fold of the server's labelled data and picks one on
+the other. ``RefineOptions(refit=True)`` then builds the picked recipe once more on both folds.
+Whether that helps is decided here without the test set: the 500 validation examples are split
+into a fitting fold (250, the strategy's own split), a selection fold (125) and an audit fold
+(125) that neither fits nor selects. On each cached upload set:
+
+- ``selection only``: the refinement as without refit (fit 250, select 125);
+- ``refit``: the same choice, refitted on fit + selection (375).
+
+Both are scored on the audit fold (the decision) and on the test set (reported only).
+
+    .venv/bin/python benchmarks/refit_check.py --cells 0.1:shared:0:5 0.1:independent:0:30
+
+Writes ``benchmarks/results/refit_check.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader, Subset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import harness as H  # noqa: E402
+from benchmarks import server_methods as S  # noqa: E402
+from fedfiot_flwr.server.refinement import split_folds  # noqa: E402
+from fedfiot_flwr.server_refine import refine_merged_model  # noqa: E402
+
+
+def three_folds(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fitting fold (the strategy's own), then the strategy's selection fold halved: selection, audit."""
+    fit, rest = split_folds(n, seed)
+    order = np.random.default_rng(seed + 1).permutation(rest)
+    half = len(order) // 2
+    return fit, np.sort(order[:half]), np.sort(order[half:])
+
+
+def run_cell(cell: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    alpha, init, seed, epochs = cell.split(":")
+    setting = H.Setting(dataset="fashion-mnist", model="fednet", clients=6, alpha=float(alpha), init=init,
+                        seed=int(seed), epochs=int(epochs))
+    split = setting.app_config().split()
+    build, spec, buffers = H.model_tools(setting, split)
+    fit_idx, sel_idx, audit_idx = three_folds(len(split.validation))
+    fold = {name: Subset(split.validation, idx.tolist())
+            for name, idx in (("fit", fit_idx), ("select", sel_idx), ("audit", audit_idx))}
+    ev = H.Evaluator(split, build)
+    sel_ev = H.Evaluator(replace(split, validation=fold["select"]), build)
+    audit_ev = H.Evaluator(replace(split, validation=fold["audit"]), build)
+    uploads = H.one_shot_uploads(setting, split, buffers, args.cache_dir, log=log)
+    t0 = time.perf_counter()
+    outcome = S.fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, "small", init)
+    perms = outcome.result.permutations if outcome.variant == "aligned" else None
+    options = replace(S.DEFAULT_REFINE, refit=True, keep_candidates=True, seed=setting.seed)
+    refit_model, report = refine_merged_model(
+        outcome.model, uploads.quantized.weights, build(), DataLoader(fold["fit"], batch_size=500),
+        DataLoader(fold["select"], batch_size=500), spec=spec, permutations=perms,
+        num_examples=uploads.quantized.num_examples, options=options)
+    chosen = report.candidates[report.chosen]
+    rec: dict[str, Any] = {**H.record_fields(setting), "chosen": report.chosen, "refit_examples": report.refit_examples,
+                           "seconds": time.perf_counter() - t0, "refine_seconds": report.seconds}
+    for name, model in (("selection_only", chosen), ("refit", refit_model)):
+        rec[f"{name}_audit"] = audit_ev.validate(model)["accuracy"]
+        rec[f"{name}_test"] = ev.test(model)[1]
+    log(f"{cell}: chosen {report.chosen}; audit {100 * rec['selection_only_audit']:.1f} -> "
+        f"{100 * rec['refit_audit']:.1f}; test {100 * rec['selection_only_test']:.1f} -> {100 * rec['refit_test']:.1f}")
+    return rec
+
+
+def markdown(recs: list[dict[str, Any]]) -> str:
+    lines = ["| alpha | init | E | seed | chosen | audit: selection only | audit: refit | test: selection only | "
+             "test: refit |", "|---|---|---|---|---|---:|---:|---:|---:|"]
+    for r in recs:
+        lines.append(f"| {r['alpha']:g} | {r['init']} | {r['epochs']} | {r['seed']} | {r['chosen']} | "
+                     f"{100 * r['selection_only_audit']:.1f} | {100 * r['refit_audit']:.1f} | "
+                     f"{100 * r['selection_only_test']:.1f} | {100 * r['refit_test']:.1f} |")
+    gain = [r["refit_audit"] - r["selection_only_audit"] for r in recs]
+    tgain = [r["refit_test"] - r["selection_only_test"] for r in recs]
+    lines += ["", f"Mean gain of the refit: audit {100 * np.mean(gain):+.2f} points "
+              f"({sum(g > 0 for g in gain)} up, {sum(g < 0 for g in gain)} down of {len(gain)}); "
+              f"test {100 * np.mean(tgain):+.2f} points."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", nargs="+", required=True, help="alpha:init:seed:epochs")
+    p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--name", default="refit_check")
+    args = p.parse_args(argv)
+    H.set_threads(1)
+    recs = []
+    for cell in args.cells:
+        recs.append(run_cell(cell, args, print))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.name}.json").write_text(json.dumps({"command": " ".join(sys.argv), "records": recs},
+                                                               indent=1))
+        (args.out / f"{args.name}.md").write_text(markdown(recs))
+    return recs
+
+
+if __name__ == "__main__":
+    main()
