@@ -620,8 +620,9 @@ def refine_merged_model(
         weights = [float(n) / float(sum(num_examples)) for n in num_examples]  # type: ignore[arg-type]
 
     fit_rows = list(fit_loader)
-    first, _ = _collect_fit(fit_rows, 0, options.seed)
-    layers = layer_modules(model, first[0])
+    if not fit_rows:
+        raise ValueError("the refinement's fitting loader yields no examples")
+    layers = layer_modules(model, split_batch(fit_rows[0])[0].float())
     data = _fit_data(fit_rows, model, aligned, layers, options, num_examples)
     select_batches = [(split_batch(b)[0].float(), split_batch(b)[1]) for b in select_loader]
     report = RefineReport(chosen="merged", fit_examples=sum(len(b) for b in data.batches),
