@@ -193,8 +193,7 @@ def test_refit_keeps_the_choice_and_rebuilds_the_recipe_on_both_folds(epochs: in
     assert rep.selection_accuracy == rep_plain.selection_accuracy
     assert rep_plain.refit_examples == 0 and rep.refit_examples == 300
     # The refit is the chosen recipe fitted on both folds' rows, as a run on their union builds it.
-    whole = replace(opts, finetune_epochs=max(epochs, 0))
-    _, rep_union = refine_merged_model(merged, clients, model, _both_folds(fit, select), select, options=whole)
+    _, rep_union = refine_merged_model(merged, clients, model, _both_folds(fit, select), select, options=opts)
     for k in refit:
         np.testing.assert_array_equal(refit[k], rep_union.candidates[rep.chosen][k])
         np.testing.assert_array_equal(plain[k], rep_plain.candidates[rep.chosen][k])
