@@ -230,10 +230,18 @@ def _align_permutation(
     w = ref_layer
     report = PermutationReport(size, 0, float("nan"))
     current = [identity] * clients.n_clients
+    use_memo = start is None and memo is not None and memo_key is not None
+    first_key: tuple | None = None  # the memo's key: memo_key and the first iteration's assignment
+
+    def solve(cost: np.ndarray, hint: np.ndarray) -> np.ndarray:
+        return assign_with_hint(cost, hint, lap_solver)[0] if certify else assign(cost, lap_solver)
+
+    def global_layer(perms: list[np.ndarray], num: np.ndarray, den: np.ndarray) -> np.ndarray:
+        return num / den if aggregation == "fisher" else clients.average(perms, sizes if aggregation == "size" else None)
+
     if start is not None:
         current = [np.asarray(p, dtype=np.int64) for p in start]
-        num, den = clients.moments(current)
-        w = num / den if aggregation == "fisher" else clients.average(current, sizes if aggregation == "size" else None)
+        w = global_layer(current, *clients.moments(current))
     for s in range(1, max_iters + 1):
         report.iterations = s
         skip: set[int] = set()
@@ -246,7 +254,7 @@ def _align_permutation(
                 if cost is None:  # the reference against itself: the identity, at zero cost
                     new.append(identity)
                     continue
-                new.append(assign_with_hint(cost, current[k], lap_solver)[0] if certify else assign(cost, lap_solver))
+                new.append(solve(cost, current[k]))
                 # J(w, pi) is the sum of the chosen Fisher costs: no second pass over the weights.
                 chosen += float(cost[rows, new[-1]].sum())
                 diagonal += float(np.trace(cost))
@@ -255,9 +263,7 @@ def _align_permutation(
         else:
             if s == 1:
                 report.initial_objective = _objective_from_moments(w, *clients.moments(current), clients.const)
-            costs = clients.euclidean_costs(w)
-            new = ([assign_with_hint(cost, hint, lap_solver)[0] for cost, hint in zip(costs, current)] if certify
-                   else [assign(cost, lap_solver) for cost in costs])
+            new = [solve(cost, hint) for cost, hint in zip(clients.euclidean_costs(w), current)]
         unchanged = (s > 1 or start is not None) and all(np.array_equal(a, b) for a, b in zip(new, current))
         if matching != "fisher" and unchanged:
             chosen = report.objectives[-1] if report.objectives else _objective_from_moments(
@@ -272,19 +278,19 @@ def _align_permutation(
             report.alignment_objectives.append(_objective_from_moments(w, num, den, clients.const))
         else:
             report.alignment_objectives.append(chosen)
-        w = num / den if aggregation == "fisher" else clients.average(new, sizes if aggregation == "size" else None)
+        w = global_layer(new, num, den)
         report.objectives.append(_objective_from_moments(w, num, den, clients.const))
-        if s == 1 and start is None and memo is not None and memo_key is not None:
-            key = (*memo_key, permutations_digest(new))
-            tail = memo.get(key)
+        if s == 1 and use_memo:
+            first_key = (*memo_key, permutations_digest(new))  # type: ignore[misc]
+            tail = memo.get(first_key)  # type: ignore[union-attr]
             if tail is not None:
                 current, report.iterations = list(tail.perms), tail.iterations
                 report.alignment_objectives += tail.alignment_objectives
                 report.objectives += tail.objectives
                 break
-    if start is None and memo is not None and memo_key is not None and report.iterations > 1 and key not in memo.tails:
-        memo.put(key, AlignmentTail(list(current), report.iterations, report.alignment_objectives[1:],
-                                    report.objectives[1:]))
+    if first_key is not None and report.iterations > 1 and first_key not in memo.tails:  # type: ignore[union-attr]
+        memo.put(first_key, AlignmentTail(list(current), report.iterations,  # type: ignore[union-attr]
+                                          report.alignment_objectives[1:], report.objectives[1:]))
     report.fraction_permuted = [float(np.mean(p != identity)) for p in current]
     return current, report
 
@@ -445,7 +451,7 @@ def merge(
         candidate's :attr:`MergeResult.permutations`). Each permutation's loop then starts from
         the merge of the clients aligned by ``initial_perms`` rather than from the reference, and
         stops after one step when they are already a fixed point. Not the paper's algorithm: it can
-        reach a different fixed point than a cold start (see :mod:`fedfiot_flwr.merge.warm`).
+        reach a different fixed point than a cold start (see :mod:`fedfiot_flwr.server.warm_starts`).
 
     Returns
     -------
