@@ -520,7 +520,6 @@ class _FitData:
     """The rows a candidate is fitted on (one fold, or both folds for the refit)."""
 
     batches: list[torch.Tensor]
-    labels: list[torch.Tensor]
     targets: list[dict[str, torch.Tensor]]
     ft_batches: list[torch.Tensor]
     ft_labels: torch.Tensor
@@ -542,7 +541,7 @@ def _fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence[Model], l
         ft_batches, ft_labels = _collect_fit(rows, options.augment_copies, options.seed)
         ft_weights = _example_weights(model, aligned, ft_batches, ft_labels, options.target_weights, num_examples)
         teacher = [t[layers[-1][0]] for t in _client_targets(model, aligned, ft_weights, layers[-1:], ft_batches)]
-    return _FitData(batches, labels, targets, ft_batches, torch.cat(ft_labels), teacher)
+    return _FitData(batches, targets, ft_batches, torch.cat(ft_labels), teacher)
 
 
 def refine_merged_model(
@@ -624,7 +623,8 @@ def refine_merged_model(
         raise ValueError("the refinement's fitting loader yields no examples")
     layers = layer_modules(model, split_batch(fit_rows[0])[0].float())
     data = _fit_data(fit_rows, model, aligned, layers, options, num_examples)
-    select_batches = [(split_batch(b)[0].float(), split_batch(b)[1]) for b in select_loader]
+    select_rows = list(select_loader)
+    select_batches = [(x.float(), y) for x, y in map(split_batch, select_rows)]
     report = RefineReport(chosen="merged", fit_examples=sum(len(b) for b in data.batches),
                           select_examples=sum(len(y) for _, y in select_batches))
     # REPAIR's client statistics need their own forward passes: a second copy of the module,
@@ -691,7 +691,7 @@ def refine_merged_model(
     report.chosen, chosen_model = best[1], best[2]
     if options.refit and report.chosen in recipes:
         # The choice is made; refit its recipe on both folds (as a grid search refits its winner).
-        both = _fit_data(fit_rows + list(select_loader), model, aligned, layers, options, num_examples)
+        both = _fit_data(fit_rows + select_rows, model, aligned, layers, options, num_examples)
         recipe = recipes[report.chosen]
         for epoch, state in build(recipe, both):
             if epoch == recipe.epochs:
