@@ -574,6 +574,33 @@ class MethodResult:
         }
 
 
+def merge_with_plan(
+    plan: MethodPlan,
+    uploads: Uploads,
+    spec: PermutationSpec,
+    buffers: Sequence[str],
+    validate: Callable[[Model], Mapping[str, float]],
+    server_round: int = 1,
+    max_iters: int = 8,
+) -> MergeOutcome:
+    """:func:`fedfiot_flwr.server.selection.merge_round` with ``plan``'s options, knobs chosen by ``validate``.
+
+    ``server_round=2`` is passed when the broadcast model is offered as a reference in one-shot
+    with a shared initialisation (``merge_round`` drops ``"broadcast"`` in round 1, where the
+    paper uses only the largest client).
+    """
+    options = METHODS[plan.preset]
+    offers_broadcast = plan.grid is not None and "broadcast" in plan.grid.references
+    round_for_grid = max(server_round, 2) if offers_broadcast and uploads.broadcast is not None else server_round
+    return merge_round(
+        uploads.quantized if plan.upload == "q16" else uploads.float32, spec, plan.default,
+        max_iters=int(options.get("max_iters", max_iters)), matching=options["matching"],
+        aggregation=options["aggregation"], fallback=plan.fallback, buffers=buffers, broadcast=uploads.broadcast,
+        server_round=round_for_grid, sweep=plan.grid, validate=validate, metric="accuracy", baseline=False,
+        fedavg_candidate=plan.fedavg_candidate, fisher_cap=plan.fisher_cap, certify=plan.certify,
+    )
+
+
 def apply_method(
     plan: MethodPlan,
     uploads: Uploads,
@@ -583,25 +610,11 @@ def apply_method(
     server_round: int = 1,
     max_iters: int = 8,
 ) -> MethodResult:
-    """Merge ``uploads`` with one method, choosing its knobs on validation accuracy.
-
-    Uses :func:`fedfiot_flwr.server.selection.merge_round` (the strategy's own selection), with
-    ``server_round=2`` when the broadcast model is offered as a reference in one-shot with a
-    shared initialisation (``merge_round`` drops ``"broadcast"`` in round 1, where the paper
-    uses only the largest client).
-    """
-    collected = uploads.quantized if plan.upload == "q16" else uploads.float32
+    """Merge ``uploads`` with one method, choosing its knobs on validation accuracy
+    (:func:`merge_with_plan`: the strategy's own selection)."""
     options = METHODS[plan.preset]
-    offers_broadcast = plan.grid is not None and "broadcast" in plan.grid.references
-    round_for_grid = max(server_round, 2) if offers_broadcast and uploads.broadcast is not None else server_round
     t0 = time.perf_counter()
-    outcome = merge_round(
-        collected, spec, plan.default, max_iters=int(options.get("max_iters", max_iters)),
-        matching=options["matching"], aggregation=options["aggregation"], fallback=plan.fallback, buffers=buffers,
-        broadcast=uploads.broadcast, server_round=round_for_grid, sweep=plan.grid, validate=validate,
-        metric="accuracy", baseline=False, fedavg_candidate=plan.fedavg_candidate, fisher_cap=plan.fisher_cap,
-        certify=plan.certify,
-    )
+    outcome = merge_with_plan(plan, uploads, spec, buffers, validate, server_round, max_iters)
     sweep_seconds = time.perf_counter() - t0
     res = outcome.result
     # With fallback="validation" a candidate appears twice (aligned, identity) with one merge time.

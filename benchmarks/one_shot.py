@@ -293,36 +293,31 @@ def targets(payload: dict[str, Any], methods: Sequence[str]) -> str:
         lines.append(f"| {target} | {H.column_label(col)} | {margin:+.1f} | {'yes' if ok else '**no**'} |")
 
     if "fedfiot" in methods:
-        every = recs
-        for col in H.setting_columns(every):
+        for col in H.setting_columns(recs):
+            in_col = [r for r in recs if (r["dataset"], r["alpha"], r["init"], r["epochs"]) == col]
             # The paper preset's targets compare on the seeds where the paper preset was run.
-            ran = {r["seed"] for r in every if r["method"] == "fedfiot"
-                   and (r["dataset"], r["alpha"], r["init"], r["epochs"]) == col}
+            ran = sorted({r["seed"] for r in in_col if r["method"] == "fedfiot"})
             if not ran:
                 continue
-            recs = [r for r in every if r["seed"] in ran]
-            ours = _col_mean(recs, "fedfiot", col)
+            on_seeds = [r for r in in_col if r["seed"] in ran]
+            ours = _col_mean(on_seeds, "fedfiot", col)
             if col[2] == "independent" and baselines:
-                best = max(_col_mean(recs, m, col) for m in baselines)
+                best = max(_col_mean(on_seeds, m, col) for m in baselines)
                 margin = 100 * (ours - best)
                 row("independent init: FedFiOT >= best other method + 10", col, margin, margin >= 10)
             if col[2] == "shared":
                 avg = [m for m in ("fedavg", "fisher-merge") if m in methods]
                 if avg:
-                    best = max(_col_mean(recs, m, col) for m in avg)
-                    seeds = sorted({r["seed"] for r in recs})
+                    best = max(_col_mean(on_seeds, m, col) for m in avg)
                     per_seed = all(
-                        next(r["test_accuracy"] for r in recs if r["method"] == "fedfiot" and r["seed"] == s
-                             and (r["dataset"], r["alpha"], r["init"], r["epochs"]) == col)
-                        >= max(r["test_accuracy"] for r in recs if r["method"] in avg and r["seed"] == s
-                               and (r["dataset"], r["alpha"], r["init"], r["epochs"]) == col)
-                        for s in seeds
-                        if any(r["seed"] == s and (r["dataset"], r["alpha"], r["init"], r["epochs"]) == col for r in recs)
+                        next(r["test_accuracy"] for r in on_seeds if r["method"] == "fedfiot" and r["seed"] == s)
+                        >= max(r["test_accuracy"] for r in on_seeds if r["method"] in avg and r["seed"] == s)
+                        for s in ran
                     )
                     margin = 100 * (ours - best)
                     row("shared init: FedFiOT never below FedAvg / Fisher merging (every seed)", col, margin, per_seed)
             if "fedfiot-fp32" in methods:
-                margin = 100 * (ours - _col_mean(recs, "fedfiot-fp32", col))
+                margin = 100 * (ours - _col_mean(on_seeds, "fedfiot-fp32", col))
                 row("16-bit within 1.5 points of float32 (FedFiOT)", col, margin, abs(margin) <= 1.5)
     t = payload["timing"]
     total = t["train_seconds"] + t["fisher_seconds"] + t["merge_sweep_seconds"] + t["test_seconds"]

@@ -31,10 +31,9 @@ from torch.utils.data import ConcatDataset, DataLoader
 
 from benchmarks import harness as H
 from fedfiot_flwr.data import FederatedSplit
-from fedfiot_flwr.merge import METHODS, PermutationSpec
+from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.refinement import fold_subsets
-from fedfiot_flwr.server.selection import merge_round
 from fedfiot_flwr.server_refine import RefineOptions, refine_merged_model
 from fedfiot_flwr.task import train
 
@@ -131,17 +130,8 @@ def centralized(setting: H.Setting, split: FederatedSplit, uploads: H.Uploads, e
 def fedfiot_merge_on_fold(uploads: H.Uploads, spec: PermutationSpec, buffers: Sequence[str], sel_ev: H.Evaluator,
                           grid: str = "small", init: str = "shared") -> Any:
     """FedFiOT's default-preset merge (without the FedAvg candidate), knobs chosen on the selection fold."""
-    plan = H.method_plans(["fedfiot-default"], init, grid)[0]
-    options = METHODS[plan.preset]
-    offers_broadcast = plan.grid is not None and "broadcast" in plan.grid.references
-    return merge_round(
-        uploads.quantized, spec, plan.default, max_iters=int(options.get("max_iters", 8)),
-        matching=options["matching"], aggregation=options["aggregation"], fallback=plan.fallback,
-        buffers=buffers, broadcast=uploads.broadcast,
-        server_round=2 if offers_broadcast and uploads.broadcast is not None else 1,
-        sweep=plan.grid, validate=sel_ev.validate, metric="accuracy", baseline=False, fedavg_candidate=False,
-        fisher_cap=plan.fisher_cap, certify=plan.certify,
-    )
+    plan = replace(H.method_plans(["fedfiot-default"], init, grid)[0], fedavg_candidate=False)
+    return H.merge_with_plan(plan, uploads, spec, buffers, sel_ev.validate)
 
 
 def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch.nn.Module], spec: PermutationSpec,
