@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
+from benchmarks.merge_speed import cpu_timed  # noqa: E402
 from fedfiot_flwr.merge import PermutationSpec, cnn_spec, merge  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "merge_scale.md"
@@ -58,12 +59,6 @@ def cnn_clients(k: int, noise: float = 0.1, seed: int = 0) -> tuple[list, list]:
     return models, fishers
 
 
-def timed(fn: Any) -> tuple[float, Any]:
-    t0 = time.process_time()
-    out = fn()
-    return time.process_time() - t0, out
-
-
 def peak_extra(fn: Any) -> int:
     """tracemalloc peak (bytes) of ``fn``'s allocations (numpy's included)."""
     tracemalloc.start()
@@ -79,7 +74,7 @@ def best_of(repeats: int, fns: dict[str, Any]) -> dict[str, tuple[float, Any]]:
     out: dict[str, tuple[float, Any]] = {}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t, res = timed(fn)
+            t, res = cpu_timed(fn)
             out[name] = (min(t, out[name][0]) if name in out else t, res)
     return out
 
@@ -152,13 +147,13 @@ def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool, na
     variants = [WIDE_VARIANTS[n] for n in names]
     rows = []
     if run_baseline:
-        t, res = timed(lambda: base_merge(models, fishers, spec, **opts))
+        t, res = cpu_timed(lambda: base_merge(models, fishers, spec, **opts))
         rows.append(("before (baseline revision): float64, scipy", t, res))
         print(rows[-1][:2], flush=True)
     best: dict[str, tuple[float, Any]] = {}
     for _ in range(repeats):  # interleaved; the minimum is kept
         for label, extra in variants:
-            t, res = timed(lambda: merge(models, fishers, spec, **opts, **extra))
+            t, res = cpu_timed(lambda: merge(models, fishers, spec, **opts, **extra))
             best[label] = min(best.get(label, (t, res)), (t, res), key=lambda x: x[0])
             print(label, t, res.objective, flush=True)
     rows += [(label, *best[label]) for label, _ in variants]

@@ -11,7 +11,9 @@ import argparse
 import platform
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -108,8 +110,8 @@ def paper_cnn(repeats: int) -> list[str]:
     return rows
 
 
-def cpu_timed(fn):
-    """``(process CPU seconds, value)`` of ``fn()``."""
+def cpu_timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``(process CPU seconds, value)`` of ``fn()`` (also :mod:`benchmarks.merge_scale`'s timer)."""
     start = time.process_time()
     value = fn()
     return time.process_time() - start, value
