@@ -79,7 +79,7 @@ def certify_assignment(
     v = np.minimum(v, 0.0)
     changed = np.flatnonzero(v < 0)
     if changed.size == 0:
-        return True  # every row's assigned column is its minimum
+        return True  # no arc is negative: v = 0 proves optimality
     if changed.size > max_violated * m:
         return False
     work = m  # arc visits so far, in rows of m
