@@ -34,8 +34,10 @@ def test_tls_superlink_accepts_only_registered_supernodes(tmp_path: Path) -> Non
         assert httpx.get(f"https://127.0.0.1:{fed.port}/health", timeout=5.0, verify=context).is_success
         accepted = {fed.node_id("supernode-0"), fed.node_id("supernode-1")}
         proc = fed.flwr_run(ROOT, {
+            # no federated evaluation: the training round already carries every message this
+            # test is about (TLS only, the refused node absent from the sampled set)
             "num-partitions": 0, "node-wait-s": 30.0, "node-settle-s": 1.0, "local-epochs": 1,
-            "validation-size": 100, "sweep-rho": "0.5", "sweep-lam": "1e-4",
+            "fraction-evaluate": 0.0, "validation-size": 100, "sweep-rho": "0.5", "sweep-lam": "1e-4",
             "results-dir": str(tmp_path / "results"), "run-name": "tls",
         }, timeout=240)
         refused = fed.processes["supernode-2"].wait(timeout=30)
