@@ -57,6 +57,7 @@ __all__ = [
 
 Model = dict[str, np.ndarray]
 TARGET_WEIGHTS = ("uniform", "size", "label")
+FINETUNE_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,16 @@ class RefineOptions:
         Keep every candidate model in the report (for measurements).
     finetune_epochs : int
         When > 0, also offer the merge (or the best least-squares / REPAIR candidate, when it
-        scores better on the selection fold) fine-tuned on the fitting fold
-        (:func:`distill_finetune`); every other epoch's checkpoint is a candidate, so the
-        selection fold picks the epoch count (early stopping).
+        scores better on the selection fold) fine-tuned on the fitting fold for this many
+        epochs (:func:`distill_finetune`).
+    checkpoint_every : int
+        Every ``checkpoint_every``-th epoch's fine-tuning checkpoint is a candidate too, so the
+        selection fold can stop early; 0 offers the last epoch's model only.
     finetune_lr : float
         SGD learning rate (momentum 0.9) of the fine-tuning.
+    finetune_schedule : {"constant", "cosine"}
+        The learning rate stays at ``finetune_lr``, or decays from it to 0 along a cosine over
+        all ``finetune_epochs`` (per step), so that the last epoch's model has settled.
     distill_weight : float
         Weight of the distillation term (ensemble of the aligned clients' logits as teacher);
         ``1 - distill_weight`` goes to cross-entropy on the fitting fold's labels.
@@ -110,7 +116,9 @@ class RefineOptions:
     seed: int = 0
     keep_candidates: bool = False
     finetune_epochs: int = 10
+    checkpoint_every: int = 2
     finetune_lr: float = 0.01
+    finetune_schedule: str = "constant"
     distill_weight: float = 0.5
     temperature: float = 2.0
     refit: bool = False
@@ -447,9 +455,14 @@ def recalibrate_batchnorm(model: nn.Module, batches: Sequence[torch.Tensor]) -> 
 
 def distill_finetune(
     model: nn.Module, batches: Sequence[torch.Tensor], labels: torch.Tensor, teacher: Sequence[torch.Tensor],
-    options: RefineOptions,
+    options: RefineOptions, stop_after: int | None = None,
 ) -> Iterable[tuple[int, Model]]:
-    """Fine-tune ``model`` in place on the fitting rows; yields ``(epoch, state)`` after every other epoch.
+    """Fine-tune ``model`` in place on the fitting rows; yields ``(epoch, state)`` at its checkpoints.
+
+    The checkpoints are every ``options.checkpoint_every``-th epoch and the last one. The
+    learning-rate schedule always spans ``options.finetune_epochs``; ``stop_after`` ends the run
+    after that many epochs (yielding that epoch's state), so a shorter run reproduces a prefix of
+    the full one exactly.
 
     The loss is ``distill_weight * T^2 KL(softmax(teacher / T) || softmax(model / T))``
     (``teacher``: the clients' mean logits on the same rows) plus ``(1 - distill_weight)``
@@ -468,10 +481,14 @@ def distill_finetune(
     y = torch.zeros(x.shape[0], dtype=torch.long)
     y[:n_lab] = labels
     opt = torch.optim.SGD(model.parameters(), lr=options.finetune_lr, momentum=0.9)
+    steps_per_epoch = math.ceil(x.shape[0] / 50)
+    schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=options.finetune_epochs * steps_per_epoch)
+                if options.finetune_schedule == "cosine" else None)
     gen = torch.Generator().manual_seed(options.seed + 1)
     temp, beta = options.temperature, options.distill_weight
     soft = torch.softmax(t / temp, dim=1)
-    for epoch in range(1, options.finetune_epochs + 1):
+    last = options.finetune_epochs if stop_after is None else min(stop_after, options.finetune_epochs)
+    for epoch in range(1, last + 1):
         model.train()
         for idx in torch.split(torch.randperm(x.shape[0], generator=gen), 50):
             out = model(x[idx])
@@ -485,8 +502,11 @@ def distill_finetune(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
+            if schedule is not None:
+                schedule.step()
         model.eval()
-        if epoch % 2 == 0 or epoch == options.finetune_epochs:
+        every = options.checkpoint_every
+        if epoch == last or (every > 0 and epoch % every == 0):
             yield epoch, _state(model)
 
 
@@ -598,6 +618,10 @@ def refine_merged_model(
         raise ValueError("refine_merged_model needs at least one client model")
     if options.target_weights not in TARGET_WEIGHTS:
         raise ValueError(f"target_weights must be one of {TARGET_WEIGHTS}, got {options.target_weights!r}")
+    if options.finetune_schedule not in FINETUNE_SCHEDULES:
+        raise ValueError(f"finetune_schedule must be one of {FINETUNE_SCHEDULES}, got {options.finetune_schedule!r}")
+    if options.checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0, got {options.checkpoint_every}")
     aligned: list[Model] = []
     for k, c in enumerate(clients):
         missing = [n for n in merged if n not in c]
@@ -648,8 +672,8 @@ def refine_merged_model(
             recalibrate_batchnorm(model, on.batches)
         yield 0, _state(model)
         if recipe.epochs > 0:
-            yield from distill_finetune(model, on.ft_batches, on.ft_labels, on.teacher,
-                                        replace(options, finetune_epochs=recipe.epochs))
+            yield from distill_finetune(model, on.ft_batches, on.ft_labels, on.teacher, options,
+                                        stop_after=recipe.epochs)
 
     recipes: dict[str, _Recipe] = {"repair": _Recipe(repair=True)} if options.repair else {}
     for r in options.ridges:
@@ -675,7 +699,7 @@ def refine_merged_model(
         consider(name, next(iter(build(recipe, data, name)))[1])
     if options.finetune_epochs > 0:
         # One start: the merge or the best least-squares/REPAIR candidate, whichever scores
-        # better on the selection fold; every other epoch's checkpoint is a candidate.
+        # better on the selection fold; its checkpoints are candidates.
         start_name = max(recipes, key=lambda n: report.selection_accuracy[n], default="merged")
         if report.selection_accuracy.get(start_name, -1.0) <= report.selection_accuracy["merged"]:
             start_name = "merged"

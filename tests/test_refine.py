@@ -17,6 +17,7 @@ from fedfiot_flwr.models import build_model, permutation_spec
 from fedfiot_flwr.server_refine import (
     RefineOptions,
     _client_neuron_stats,
+    distill_finetune,
     _client_targets,
     layer_modules,
     least_squares_refine,
@@ -198,6 +199,54 @@ def test_refit_keeps_the_choice_and_rebuilds_the_recipe_on_both_folds(epochs: in
         np.testing.assert_array_equal(refit[k], rep_union.candidates[rep.chosen][k])
         np.testing.assert_array_equal(plain[k], rep_plain.candidates[rep.chosen][k])
     assert any(not np.array_equal(refit[k], plain[k]) for k in refit)
+
+
+def _finetune_run(options: RefineOptions, stop_after: int | None = None) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """Checkpoints of :func:`distill_finetune` from one fixed MLP on fixed rows, labels and teacher."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(120, 1, 8, 8, generator=g)
+    labels = torch.randint(0, 10, (120,), generator=g)
+    teacher = torch.randn(120, 10, generator=g)
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    return list(distill_finetune(model, list(torch.split(x, 50)), labels, list(torch.split(teacher, 50)),
+                                 options, stop_after=stop_after))
+
+
+def test_cosine_fine_tuning_settles_and_a_shorter_run_is_an_exact_prefix() -> None:
+    base = RefineOptions(finetune_epochs=6, checkpoint_every=1, finetune_lr=0.05)
+    cosine = _finetune_run(replace(base, finetune_schedule="cosine"))
+    constant = _finetune_run(base)
+    assert [e for e, _ in cosine] == [1, 2, 3, 4, 5, 6]
+
+    def last_step(run: list[tuple[int, dict[str, np.ndarray]]]) -> float:
+        (_, before), (_, after) = run[-2], run[-1]
+        return sum(float(np.abs(after[k] - before[k]).sum()) for k in after)
+
+    # The cosine's last epoch runs at a learning rate near 0: the model has settled; the constant one has not.
+    assert last_step(cosine) < 0.1 * last_step(constant)
+    assert any(not np.array_equal(cosine[2][1][k], constant[2][1][k]) for k in cosine[2][1])
+    # Stopping after 3 epochs keeps the 6-epoch schedule, so it is the full run's epoch-3 state (what the refit rebuilds).
+    prefix = _finetune_run(replace(base, finetune_schedule="cosine"), stop_after=3)
+    assert [e for e, _ in prefix] == [1, 2, 3]
+    for k, v in prefix[-1][1].items():
+        np.testing.assert_array_equal(v, cosine[2][1][k])
+
+
+def test_checkpoint_every_zero_offers_only_the_last_epoch() -> None:
+    clients, model = _clients()
+    merged = {k: np.zeros_like(v) for k, v in clients[0].items()}
+    fit, select = _ensemble_loader(clients, 200, 5), _ensemble_loader(clients, 100, 6)
+    opts = RefineOptions(ridges=(1e-3,), client_candidates=False, finetune_epochs=4, augment_copies=1,
+                         finetune_schedule="cosine")
+    _, every2 = refine_merged_model(merged, clients, model, fit, select, options=opts)
+    _, final = refine_merged_model(merged, clients, model, fit, select, options=replace(opts, checkpoint_every=0))
+    assert sorted(n for n in every2.selection_accuracy if n.startswith("ft")) == ["ft2(ls-r0.001)", "ft4(ls-r0.001)"]
+    assert [n for n in final.selection_accuracy if n.startswith("ft")] == ["ft4(ls-r0.001)"]
+    assert final.selection_accuracy["ft4(ls-r0.001)"] == every2.selection_accuracy["ft4(ls-r0.001)"]
+    with pytest.raises(ValueError, match="finetune_schedule"):
+        refine_merged_model(merged, clients, model, fit, select, options=replace(opts, finetune_schedule="step"))
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        refine_merged_model(merged, clients, model, fit, select, options=replace(opts, checkpoint_every=-1))
 
 
 def test_refit_returns_a_chosen_client_or_merge_as_it_is() -> None:
