@@ -95,6 +95,11 @@ class RefineOptions:
     finetune_schedule : {"constant", "cosine"}
         The learning rate stays at ``finetune_lr``, or decays from it to 0 along a cosine over
         all ``finetune_epochs`` (per step), so that the last epoch's model has settled.
+    offer_starts : bool
+        With fine-tuning on, the least-squares / REPAIR candidates are scored on the selection
+        fold to choose the fine-tuning's start; True also lets them be returned, False keeps
+        them as starts only, so that the fine-tuned model competes with the merge and the clients.
+        (Their selection scores are optimistic: the merge's knobs were chosen on the same fold.)
     distill_weight : float
         Weight of the distillation term (ensemble of the aligned clients' logits as teacher);
         ``1 - distill_weight`` goes to cross-entropy on the fitting fold's labels.
@@ -119,6 +124,7 @@ class RefineOptions:
     checkpoint_every: int = 2
     finetune_lr: float = 0.01
     finetune_schedule: str = "constant"
+    offer_starts: bool = True
     distill_weight: float = 0.5
     temperature: float = 2.0
     refit: bool = False
@@ -683,20 +689,23 @@ def refine_merged_model(
 
     best: tuple[float, str, Model] = (-math.inf, "", {})
 
-    def consider(name: str, state: Model) -> None:
+    def consider(name: str, state: Model, offered: bool = True) -> None:
         nonlocal best
         acc = _accuracy(_load(model, state), select_batches)
         report.selection_accuracy[name] = acc
         if options.keep_candidates:
             report.candidates[name] = state
         if log:
-            log(f"    refine candidate {name:18s} selection acc {100 * acc:5.1f}%")
-        if acc > best[0]:
+            log(f"    refine candidate {name:18s} selection acc {100 * acc:5.1f}%" + ("" if offered else " (start only)"))
+        if offered and acc > best[0]:
             best = (acc, name, state)
 
     consider("merged", dict(merged))
+    offer_starts = options.offer_starts or options.finetune_epochs <= 0
+    starts: dict[str, Model] = {}
     for name, recipe in recipes.items():
-        consider(name, next(iter(build(recipe, data, name)))[1])
+        starts[name] = next(iter(build(recipe, data, name)))[1]
+        consider(name, starts[name], offered=offer_starts)
     if options.finetune_epochs > 0:
         # One start: the merge or the best least-squares/REPAIR candidate, whichever scores
         # better on the selection fold; its checkpoints are candidates.
@@ -704,11 +713,17 @@ def refine_merged_model(
         if report.selection_accuracy.get(start_name, -1.0) <= report.selection_accuracy["merged"]:
             start_name = "merged"
         start_recipe = replace(recipes.get(start_name, _Recipe()), epochs=options.finetune_epochs)
+        tuned = False
         for epoch, state in build(start_recipe, data):
             if epoch > 0:
                 name = f"ft{epoch}({start_name})"
                 recipes[name] = replace(start_recipe, epochs=epoch)
                 consider(name, state)
+                tuned = True
+        if not tuned and not offer_starts:  # the fine-tuning diverged at once: the starts compete after all
+            for name, state in starts.items():
+                if report.selection_accuracy[name] > best[0]:
+                    best = (report.selection_accuracy[name], name, state)
     if options.client_candidates:
         for k, c in enumerate(clients):
             consider(f"client-{k}", {n: np.asarray(v) for n, v in c.items()})

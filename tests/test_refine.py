@@ -249,6 +249,27 @@ def test_checkpoint_every_zero_offers_only_the_last_epoch() -> None:
         refine_merged_model(merged, clients, model, fit, select, options=replace(opts, checkpoint_every=-1))
 
 
+def test_starts_only_leaves_the_fine_tuned_model_to_compete_unless_it_diverges() -> None:
+    clients, model = _clients()
+    merged = {k: np.zeros_like(v) for k, v in clients[0].items()}  # a useless merge: a fitted candidate wins
+    fit, select = _ensemble_loader(clients, 200, 5), _ensemble_loader(clients, 100, 6)
+    opts = RefineOptions(ridges=(1e-3, 1e-1), client_candidates=False, finetune_epochs=2, augment_copies=1,
+                         checkpoint_every=0, finetune_lr=1e-6, offer_starts=False)
+    # A near-zero learning rate: the fine-tuned model is its start, so on the selection fold it ties
+    # with the best least-squares candidate, and only the fine-tuned one may be returned.
+    out, rep = refine_merged_model(merged, clients, model, fit, select, options=opts)
+    start = max(("ls-r0.001", "ls-r0.1"), key=lambda n: rep.selection_accuracy[n])
+    assert rep.chosen == f"ft2({start})"
+    assert {"ls-r0.001", "ls-r0.1"} <= set(rep.selection_accuracy)  # scored, to choose the start
+    _, offered = refine_merged_model(merged, clients, model, fit, select, options=replace(opts, offer_starts=True))
+    assert offered.chosen == start  # offered, the start wins the tie (it is scored first)
+    # A fine-tuning that diverges at once yields no checkpoint: the starts compete after all.
+    diverged, rep_div = refine_merged_model(merged, clients, model, fit, select,
+                                            options=replace(opts, finetune_lr=1e30))
+    assert not any(n.startswith("ft") for n in rep_div.selection_accuracy)
+    assert rep_div.chosen == start and all(np.all(np.isfinite(v)) for v in diverged.values())
+
+
 def test_refit_returns_a_chosen_client_or_merge_as_it_is() -> None:
     clients, model = _clients()
     x = torch.randn(120, 1, 8, 8, generator=torch.Generator().manual_seed(7))
