@@ -5,9 +5,11 @@ upload and, in one-shot FedFiOT, a small labelled validation set. This module ru
 models on that data and hands the linear algebra to :mod:`fedfiot_flwr.merge.refine`:
 
 * :func:`refine_merged_model` -- the one entry point. It builds candidate models from the
-  merge (REPAIR, least-squares refinement at several ridges, both, and optionally each
-  client on its own), fitting every candidate on ``fit_loader`` only, and returns the one
-  with the best accuracy on ``select_loader``. The two loaders must hold disjoint examples:
+  merge (REPAIR, least-squares refinement at several ridges, both, distillation fine-tuning
+  from the best of them, and optionally each client on its own), fitting every candidate on
+  ``fit_loader`` only, and returns the one with the best accuracy on ``select_loader``. By
+  default the least-squares refits only choose where the fine-tuning starts
+  (``RefineOptions.offer_starts``). The two loaders must hold disjoint examples:
   whatever fits parameters never selects. With ``RefineOptions.refit`` the chosen recipe is
   then fitted once more on both folds, after the choice.
 * :func:`least_squares_refine` -- layer by layer (forward order), refit the merged layer
@@ -116,15 +118,15 @@ class RefineOptions:
     ridges: tuple[float, ...] = (1e-2, 1e-1)
     repair: bool = False
     client_candidates: bool = True
-    augment_copies: int = 3
+    augment_copies: int = 8
     target_weights: str = "label"
     seed: int = 0
     keep_candidates: bool = False
-    finetune_epochs: int = 10
-    checkpoint_every: int = 2
+    finetune_epochs: int = 20
+    checkpoint_every: int = 0
     finetune_lr: float = 0.01
-    finetune_schedule: str = "constant"
-    offer_starts: bool = True
+    finetune_schedule: str = "cosine"
+    offer_starts: bool = False
     distill_weight: float = 0.5
     temperature: float = 2.0
     refit: bool = False

@@ -213,7 +213,7 @@ def _finetune_run(options: RefineOptions, stop_after: int | None = None) -> list
 
 
 def test_cosine_fine_tuning_settles_and_a_shorter_run_is_an_exact_prefix() -> None:
-    base = RefineOptions(finetune_epochs=6, checkpoint_every=1, finetune_lr=0.05)
+    base = RefineOptions(finetune_epochs=6, checkpoint_every=1, finetune_lr=0.05, finetune_schedule="constant")
     cosine = _finetune_run(replace(base, finetune_schedule="cosine"))
     constant = _finetune_run(base)
     assert [e for e, _ in cosine] == [1, 2, 3, 4, 5, 6]
@@ -237,7 +237,7 @@ def test_checkpoint_every_zero_offers_only_the_last_epoch() -> None:
     merged = {k: np.zeros_like(v) for k, v in clients[0].items()}
     fit, select = _ensemble_loader(clients, 200, 5), _ensemble_loader(clients, 100, 6)
     opts = RefineOptions(ridges=(1e-3,), client_candidates=False, finetune_epochs=4, augment_copies=1,
-                         finetune_schedule="cosine")
+                         finetune_schedule="cosine", checkpoint_every=2)
     _, every2 = refine_merged_model(merged, clients, model, fit, select, options=opts)
     _, final = refine_merged_model(merged, clients, model, fit, select, options=replace(opts, checkpoint_every=0))
     assert sorted(n for n in every2.selection_accuracy if n.startswith("ft")) == ["ft2(ls-r0.001)", "ft4(ls-r0.001)"]

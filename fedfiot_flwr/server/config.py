@@ -14,7 +14,7 @@ Two named configurations:
   it also refines each round's merge on the server (``refine``, see
   :mod:`fedfiot_flwr.server.refinement`): the data is split into a fitting and a selection fold,
   the merge's knobs are chosen on the selection fold, and the refinement's candidates (the merge,
-  least-squares refits, fine-tuning checkpoints, each client's model) are fitted on the fitting
+  fine-tuned refit, each client's model) are fitted on the fitting
   fold and chosen on the selection fold. The refinement's candidates replace FedAvg as the safety
   net, so FedAvg is then not a merge candidate (it is still reported next to the result).
   Without validation data its merge rule is the paper's.
