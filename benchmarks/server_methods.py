@@ -178,6 +178,17 @@ def refine_options(args: Any, setting: H.Setting | None) -> RefineOptions:
                    seed=0 if setting is None else setting.seed)
 
 
+def _refined_candidates(options: RefineOptions) -> list[str]:
+    """The refinement's own candidates besides the clients, as the results page names them."""
+    names = ["the merge"]
+    if options.offer_starts or not options.finetune_epochs:
+        names.append("the refits")
+    if options.finetune_epochs:
+        every = f" (every {options.checkpoint_every} epochs)" if options.checkpoint_every else ""
+        names.append("the fine-tuned model" + every)
+    return names
+
+
 def knobs_text(method: str, options: RefineOptions) -> str:
     """Grid description of a server-data method (for the results page)."""
     if method == "fedfiot-refined":
@@ -185,10 +196,11 @@ def knobs_text(method: str, options: RefineOptions) -> str:
                 f"least squares at relative ridges {list(options.ridges)}"
                 + f" toward the clients' outputs weighted per example by '{options.target_weights}'"
                 + (", REPAIR" if options.repair else "")
-                + (f", then up to {options.finetune_epochs} epochs of distillation + cross-entropy fine-tuning "
-                   f"({options.augment_copies} augmented copies)" if options.finetune_epochs else "")
-                + ", all fitted on the other 250 examples; merged / refined / fine-tuned checkpoints / each client "
-                  "chosen on the selection fold")
+                + (f", then {options.finetune_epochs} epochs of distillation + cross-entropy fine-tuning "
+                   f"({options.finetune_schedule} learning rate, {options.augment_copies} augmented copies) from the "
+                   "better refit" if options.finetune_epochs else "")
+                + ", all fitted on the other 250 examples; " + ", ".join(_refined_candidates(options))
+                + " and each client chosen on the selection fold")
     if method == "best-single-client":
         return "the client with the best accuracy on all 500 validation examples"
     if method == "centralized":
