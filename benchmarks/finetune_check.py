@@ -2,8 +2,7 @@
 
 The server refinement fits candidates on one fold of the server's labelled data and picks one on
 another. Here the 500 validation examples are split into the strategy's fitting fold (250), a
-selection fold (125) and an audit fold (125) that neither fits nor selects (as in
-``refit_check.py``). FedFiOT's default merge is chosen on the selection fold, then refined twice
+selection fold (125) and an audit fold (125) that neither fits nor selects (``audit_folds.py``). FedFiOT's default merge is chosen on the selection fold, then refined twice
 on the fitting fold:
 
 - ``previous``: the earlier default (10 epochs at a constant learning rate, 3 augmented copies,
@@ -34,17 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
-from benchmarks import server_methods as S  # noqa: E402
-from benchmarks.refit_check import three_folds  # noqa: E402
-from fedfiot_flwr.server_refine import RefineOptions, refine_merged_model  # noqa: E402
+from benchmarks.audit_folds import PREVIOUS_REFINE, audit_cell  # noqa: E402
+from fedfiot_flwr.server_refine import RefineOptions  # noqa: E402
 
-PREVIOUS = RefineOptions(finetune_epochs=10, augment_copies=3, finetune_schedule="constant", checkpoint_every=2,
-                         offer_starts=True)
+PREVIOUS = PREVIOUS_REFINE
 """The refinement's fine-tuning before this comparison."""
 LONGER = RefineOptions(finetune_epochs=20, augment_copies=8, finetune_schedule="cosine", checkpoint_every=2,
                        offer_starts=True)
@@ -75,35 +71,18 @@ def choices(scores: dict[str, float]) -> dict[str, str]:
 
 
 def run_cell(cell: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
-    alpha, init, seed, epochs = cell.split(":")
-    setting = H.Setting(dataset="fashion-mnist", model="fednet", clients=6, alpha=float(alpha), init=init,
-                        seed=int(seed), epochs=int(epochs))
-    split = setting.app_config().split()
-    build, spec, buffers = H.model_tools(setting, split)
-    fit_idx, sel_idx, audit_idx = three_folds(len(split.validation))
-    fold = {name: Subset(split.validation, idx.tolist())
-            for name, idx in (("fit", fit_idx), ("select", sel_idx), ("audit", audit_idx))}
-    ev = H.Evaluator(split, build)
-    sel_ev = H.Evaluator(replace(split, validation=fold["select"]), build)
-    audit_ev = H.Evaluator(replace(split, validation=fold["audit"]), build)
-    uploads = H.one_shot_uploads(setting, split, buffers, args.cache_dir, log=log)
-    outcome = S.fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, "small", init)
-    perms = outcome.result.permutations if outcome.variant == "aligned" else None
-    q = uploads.quantized
-    clients = {f"client-{k}": w for k, w in enumerate(q.weights)}
-    rec: dict[str, Any] = {**H.record_fields(setting), "rules": {}}
+    c = audit_cell(cell, args.cache_dir, log)
+    clients = {f"client-{k}": w for k, w in enumerate(c.uploads.quantized.weights)}
+    rec: dict[str, Any] = {**H.record_fields(c.setting), "rules": {}}
     for label, opts in (("previous", PREVIOUS), ("longer", LONGER)):
         t0 = time.perf_counter()
-        _, report = refine_merged_model(
-            outcome.model, q.weights, build(), DataLoader(fold["fit"], batch_size=500),
-            DataLoader(fold["select"], batch_size=500), spec=spec, permutations=perms, num_examples=q.num_examples,
-            options=replace(opts, keep_candidates=True, seed=setting.seed))
+        _, report = c.refine(replace(opts, keep_candidates=True))
         rec[f"{label}_seconds"] = time.perf_counter() - t0
         picked = {"previous": report.chosen} if label == "previous" else choices(report.selection_accuracy)
         for rule, name in picked.items():
-            model = report.candidates.get(name, clients.get(name))
+            audit, test = c.scores(report.candidates.get(name, clients.get(name)))
             rec["rules"][rule] = {"chosen": name, "selection": report.selection_accuracy[name],
-                                  "audit": audit_ev.validate(model)["accuracy"], "test": ev.test(model)[1]}
+                                  "audit": audit, "test": test}
     log(cell + ": " + "; ".join(f"{rule} {r['chosen']} audit {100 * r['audit']:.1f} test {100 * r['test']:.1f}"
                                 for rule, r in rec["rules"].items()))
     return rec

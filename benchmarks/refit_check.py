@@ -6,7 +6,8 @@ Whether that helps is decided here without the test set: the 500 validation exam
 into a fitting fold (250, the strategy's own split), a selection fold (125) and an audit fold
 (125) that neither fits nor selects. On each cached upload set:
 
-- ``selection only``: the refinement as without refit (fit 250, select 125);
+- ``selection only``: the refinement as it was when this was measured (``PREVIOUS_REFINE``), without
+  refit (fit 250, select 125);
 - ``refit``: the same choice, refitted on fit + selection (375).
 
 Both are scored on the audit fold (the decision) and on the test set (reported only).
@@ -27,51 +28,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
-from benchmarks import server_methods as S  # noqa: E402
-from fedfiot_flwr.server.refinement import split_folds  # noqa: E402
-from fedfiot_flwr.server_refine import refine_merged_model  # noqa: E402
-
-
-def three_folds(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Fitting fold (the strategy's own), then the strategy's selection fold halved: selection, audit."""
-    fit, rest = split_folds(n, seed)
-    order = np.random.default_rng(seed + 1).permutation(rest)
-    half = len(order) // 2
-    return fit, np.sort(order[:half]), np.sort(order[half:])
+from benchmarks.audit_folds import PREVIOUS_REFINE, audit_cell  # noqa: E402
 
 
 def run_cell(cell: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
-    alpha, init, seed, epochs = cell.split(":")
-    setting = H.Setting(dataset="fashion-mnist", model="fednet", clients=6, alpha=float(alpha), init=init,
-                        seed=int(seed), epochs=int(epochs))
-    split = setting.app_config().split()
-    build, spec, buffers = H.model_tools(setting, split)
-    fit_idx, sel_idx, audit_idx = three_folds(len(split.validation))
-    fold = {name: Subset(split.validation, idx.tolist())
-            for name, idx in (("fit", fit_idx), ("select", sel_idx), ("audit", audit_idx))}
-    ev = H.Evaluator(split, build)
-    sel_ev = H.Evaluator(replace(split, validation=fold["select"]), build)
-    audit_ev = H.Evaluator(replace(split, validation=fold["audit"]), build)
-    uploads = H.one_shot_uploads(setting, split, buffers, args.cache_dir, log=log)
+    c = audit_cell(cell, args.cache_dir, log)
     t0 = time.perf_counter()
-    outcome = S.fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, "small", init)
-    perms = outcome.result.permutations if outcome.variant == "aligned" else None
-    options = replace(S.DEFAULT_REFINE, refit=True, keep_candidates=True, seed=setting.seed)
-    refit_model, report = refine_merged_model(
-        outcome.model, uploads.quantized.weights, build(), DataLoader(fold["fit"], batch_size=500),
-        DataLoader(fold["select"], batch_size=500), spec=spec, permutations=perms,
-        num_examples=uploads.quantized.num_examples, options=options)
+    refit_model, report = c.refine(replace(PREVIOUS_REFINE, refit=True, keep_candidates=True))
     chosen = report.candidates[report.chosen]
-    rec: dict[str, Any] = {**H.record_fields(setting), "chosen": report.chosen, "refit_examples": report.refit_examples,
-                           "seconds": time.perf_counter() - t0, "refine_seconds": report.seconds}
+    rec: dict[str, Any] = {**H.record_fields(c.setting), "chosen": report.chosen,
+                           "refit_examples": report.refit_examples, "seconds": time.perf_counter() - t0,
+                           "refine_seconds": report.seconds}
     for name, model in (("selection_only", chosen), ("refit", refit_model)):
-        rec[f"{name}_audit"] = audit_ev.validate(model)["accuracy"]
-        rec[f"{name}_test"] = ev.test(model)[1]
+        rec[f"{name}_audit"], rec[f"{name}_test"] = c.scores(model)
     log(f"{cell}: chosen {report.chosen}; audit {100 * rec['selection_only_audit']:.1f} -> "
         f"{100 * rec['refit_audit']:.1f}; test {100 * rec['selection_only_test']:.1f} -> {100 * rec['refit_test']:.1f}")
     return rec

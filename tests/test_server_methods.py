@@ -54,3 +54,47 @@ def test_combine_keeps_the_later_record_of_a_duplicate() -> None:
     assert accs == {"fedavg": 0.6, "fedfiot-refined": 0.7}
     assert out["settings"][0]["merge_sweep_seconds"] == 3.0
     assert out["methods"] == ["fedavg", "fedfiot-refined"]
+
+
+def test_the_audit_folds_split_the_selection_fold_in_two() -> None:
+    from benchmarks.audit_folds import three_folds
+    from fedfiot_flwr.server.refinement import split_folds
+
+    fit, select, audit = three_folds(500)
+    assert fit.tolist() == split_folds(500)[0].tolist()  # the strategy's own fitting fold
+    assert len(select) == len(audit) == 125
+    assert not set(select.tolist()) & set(audit.tolist())
+    assert sorted(np.concatenate([select, audit]).tolist()) == split_folds(500)[1].tolist()
+
+
+def test_finetune_check_rules_match_what_the_refinement_returns() -> None:
+    """The rules ``finetune_check.py`` reads off one run's scores are the library's own choices."""
+    from dataclasses import replace
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks.finetune_check import LONGER, choices
+    from fedfiot_flwr.models import build_model
+    from fedfiot_flwr.server_refine import refine_merged_model
+
+    models = [build_model("mlp", (1, 8, 8), 10, seed=i) for i in range(3)]
+    clients = [{k: v.detach().numpy().copy() for k, v in m.state_dict().items()} for m in models]
+
+    def loader(n: int, seed: int) -> DataLoader:
+        x = torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
+        y = sum(m(x).detach() for m in models).argmax(1)  # labelled by the clients' ensemble
+        return DataLoader(TensorDataset(x, y), batch_size=64)
+
+    fit, select = loader(200, 5), loader(100, 6)
+    merged = {k: np.zeros_like(v) for k, v in clients[0].items()}  # a useless merge: fitted candidates win
+    small = replace(LONGER, finetune_epochs=4, augment_copies=1, keep_candidates=True)
+    _, scored = refine_merged_model(merged, clients, build_model("mlp", (1, 8, 8), 10), fit, select, options=small)
+    picked = choices(scored.selection_accuracy)
+    assert picked["cosine, every 2"] == scored.chosen  # the run's own rule
+    for rule, overrides in (("cosine, last", {"checkpoint_every": 0}),
+                            ("cosine, last, starts only", {"checkpoint_every": 0, "offer_starts": False})):
+        _, rep = refine_merged_model(merged, clients, build_model("mlp", (1, 8, 8), 10), fit, select,
+                                     options=replace(small, **overrides))
+        assert picked[rule] == rep.chosen, rule
+    assert picked["cosine, last, starts only"].startswith("ft4(")
