@@ -21,11 +21,6 @@ from benchmarks import server_methods as S
 from fedfiot_flwr.server.refinement import split_folds
 from fedfiot_flwr.server_refine import RefineOptions, RefineReport, refine_merged_model
 
-PREVIOUS_REFINE = RefineOptions(finetune_epochs=10, augment_copies=3, finetune_schedule="constant",
-                                checkpoint_every=2, offer_starts=True)
-"""The refinement before the annealed fine-tuning: 10 constant-rate epochs, every other epoch's
-checkpoint and the least-squares refits offered as candidates."""
-
 
 def three_folds(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Fitting fold (the strategy's own), then the strategy's selection fold halved: selection, audit."""

@@ -37,10 +37,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
-from benchmarks.audit_folds import PREVIOUS_REFINE, audit_cell  # noqa: E402
+from benchmarks.audit_folds import audit_cell  # noqa: E402
 from fedfiot_flwr.server_refine import RefineOptions  # noqa: E402
 
-PREVIOUS = PREVIOUS_REFINE
+PREVIOUS = RefineOptions(finetune_epochs=10, augment_copies=3, finetune_schedule="constant", checkpoint_every=2,
+                         offer_starts=True)
 """The refinement's fine-tuning before this comparison."""
 LONGER = RefineOptions(finetune_epochs=20, augment_copies=8, finetune_schedule="cosine", checkpoint_every=2,
                        offer_starts=True)

@@ -6,8 +6,7 @@ Whether that helps is decided here without the test set: the 500 validation exam
 into a fitting fold (250, the strategy's own split), a selection fold (125) and an audit fold
 (125) that neither fits nor selects. On each cached upload set:
 
-- ``selection only``: the refinement as it was when this was measured (``PREVIOUS_REFINE``), without
-  refit (fit 250, select 125);
+- ``selection only``: the default preset's refinement without refit (fit 250, select 125);
 - ``refit``: the same choice, refitted on fit + selection (375).
 
 Both are scored on the audit fold (the decision) and on the test set (reported only).
@@ -32,13 +31,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
-from benchmarks.audit_folds import PREVIOUS_REFINE, audit_cell  # noqa: E402
+from benchmarks import server_methods as S  # noqa: E402
+from benchmarks.audit_folds import audit_cell  # noqa: E402
 
 
 def run_cell(cell: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     c = audit_cell(cell, args.cache_dir, log)
     t0 = time.perf_counter()
-    refit_model, report = c.refine(replace(PREVIOUS_REFINE, refit=True, keep_candidates=True))
+    refit_model, report = c.refine(replace(S.DEFAULT_REFINE, refit=True, keep_candidates=True))
     chosen = report.candidates[report.chosen]
     rec: dict[str, Any] = {**H.record_fields(c.setting), "chosen": report.chosen,
                            "refit_examples": report.refit_examples, "seconds": time.perf_counter() - t0,
