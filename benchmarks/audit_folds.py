@@ -9,6 +9,7 @@ build their cells here.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -72,3 +73,15 @@ def audit_cell(cell: str, cache_dir: Path, log: Callable[[str], None]) -> AuditC
     outcome = S.fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, "small", init)
     return AuditCell(setting, uploads, build, spec, folds, H.Evaluator(split, build),
                      H.Evaluator(replace(split, validation=folds["audit"]), build), outcome)
+
+
+def cell_arguments(argv: list[str] | None, description: str, name: str) -> argparse.Namespace:
+    """The audit scripts' command line: ``--cells alpha:init:seed:epochs ...``, ``--cache-dir``, ``--out``, ``--name``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--cells", nargs="+", required=True, help="alpha:init:seed:epochs")
+    p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--name", default=name)
+    args = p.parse_args(argv)
+    H.set_threads(1)
+    return args

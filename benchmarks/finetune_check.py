@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
-from benchmarks.audit_folds import audit_cell  # noqa: E402
+from benchmarks.audit_folds import audit_cell, cell_arguments  # noqa: E402
 from fedfiot_flwr.server_refine import RefineOptions  # noqa: E402
 
 PREVIOUS = RefineOptions(finetune_epochs=10, augment_copies=3, finetune_schedule="constant", checkpoint_every=2,
@@ -111,13 +111,7 @@ def markdown(recs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cells", nargs="+", required=True, help="alpha:init:seed:epochs")
-    p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    p.add_argument("--name", default="finetune_check")
-    args = p.parse_args(argv)
-    H.set_threads(1)
+    args = cell_arguments(argv, __doc__.splitlines()[0], "finetune_check")
     out = args.out / f"{args.name}.json"
     recs: list[dict[str, Any]] = []
     for cell in args.cells:

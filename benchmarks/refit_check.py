@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import server_methods as S  # noqa: E402
-from benchmarks.audit_folds import audit_cell  # noqa: E402
+from benchmarks.audit_folds import audit_cell, cell_arguments  # noqa: E402
 
 
 def run_cell(cell: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -66,13 +66,7 @@ def markdown(recs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cells", nargs="+", required=True, help="alpha:init:seed:epochs")
-    p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    p.add_argument("--name", default="refit_check")
-    args = p.parse_args(argv)
-    H.set_threads(1)
+    args = cell_arguments(argv, __doc__.splitlines()[0], "refit_check")
     recs = []
     for cell in args.cells:
         recs.append(run_cell(cell, args, print))

@@ -691,23 +691,25 @@ def refine_merged_model(
 
     best: tuple[float, str, Model] = (-math.inf, "", {})
 
-    def consider(name: str, state: Model, offered: bool = True) -> None:
+    def offer(name: str, state: Model) -> None:
         nonlocal best
+        if report.selection_accuracy[name] > best[0]:
+            best = (report.selection_accuracy[name], name, state)
+
+    def consider(name: str, state: Model, offered: bool = True) -> None:
         acc = _accuracy(_load(model, state), select_batches)
         report.selection_accuracy[name] = acc
         if options.keep_candidates:
             report.candidates[name] = state
         if log:
             log(f"    refine candidate {name:18s} selection acc {100 * acc:5.1f}%" + ("" if offered else " (start only)"))
-        if offered and acc > best[0]:
-            best = (acc, name, state)
+        if offered:
+            offer(name, state)
 
     consider("merged", dict(merged))
     offer_starts = options.offer_starts or options.finetune_epochs <= 0
-    starts: dict[str, Model] = {}
     for name, recipe in recipes.items():
-        starts[name] = next(iter(build(recipe, data, name)))[1]
-        consider(name, starts[name], offered=offer_starts)
+        consider(name, next(iter(build(recipe, data, name)))[1], offered=offer_starts)
     if options.finetune_epochs > 0:
         # One start: the merge or the best least-squares/REPAIR candidate, whichever scores
         # better on the selection fold; its checkpoints are candidates.
@@ -717,15 +719,16 @@ def refine_merged_model(
         start_recipe = replace(recipes.get(start_name, _Recipe()), epochs=options.finetune_epochs)
         tuned = False
         for epoch, state in build(start_recipe, data):
-            if epoch > 0:
+            if epoch == 0:
+                start_state = state  # the start itself, before any step
+            else:
                 name = f"ft{epoch}({start_name})"
                 recipes[name] = replace(start_recipe, epochs=epoch)
                 consider(name, state)
                 tuned = True
-        if not tuned and not offer_starts:  # the fine-tuning diverged at once: the starts compete after all
-            for name, state in starts.items():
-                if report.selection_accuracy[name] > best[0]:
-                    best = (report.selection_accuracy[name], name, state)
+        if not tuned and not offer_starts and start_name != "merged":
+            # The fine-tuning diverged at once: the best start (the merge is already offered) competes after all.
+            offer(start_name, start_state)
     if options.client_candidates:
         for k, c in enumerate(clients):
             consider(f"client-{k}", {n: np.asarray(v) for n, v in c.items()})
