@@ -10,7 +10,6 @@ Run with ``flwr run .`` (see the README); every knob is a ``[tool.flwr.app.confi
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from logging import INFO
@@ -24,10 +23,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from fedfiot_flwr.app_config import AppConfig
 from fedfiot_flwr.models import permutation_spec
+from fedfiot_flwr.refine import RefineOptions
 from fedfiot_flwr.server import FedFiOT, FedFiOTConfig, FedFisherStrategy, MergeStrategy, RegMeanStrategy, RunRecorder
 from fedfiot_flwr.server.selection import SweepGrid
 from fedfiot_flwr.task import evaluate
-from fedfiot_flwr.validation import ValidateFn, make_validate_fn
 
 app = ServerApp()
 
@@ -121,7 +120,7 @@ def fedfiot_config(cfg: AppConfig) -> FedFiOTConfig:
     return FedFiOTConfig.named(
         cfg.preset, rho=cfg.rho, lam=cfg.lam, reference=cfg.reference_value(), fisher_scaling=cfg.fisher_scaling,
         max_iters=cfg.max_iters, matching=cfg.matching, aggregation=cfg.aggregation,
-        selection=cfg.fallback or base.selection, sweep=sweep, refine=base.refine if cfg.server_refine else None,
+        selection=cfg.fallback or base.selection, sweep=sweep,
     )
 
 
@@ -130,15 +129,15 @@ def build_strategy(
     model: torch.nn.Module,
     validation: Dataset[Any] | None,
     min_train: int,
-    device: torch.device | None = None,
 ) -> MergeStrategy:
     """The strategy the ``strategy`` key names, with the run's sampling.
 
-    ``fedfiot``: :class:`~fedfiot_flwr.FedFiOT` with :func:`fedfiot_config` and the validation set
-    as its ``server_data`` (the default preset refines on it); ``fedfisher-kfac`` /
+    ``fedfiot``: :class:`~fedfiot_flwr.FedFiOT` with :func:`fedfiot_config`; ``fedfisher-kfac`` /
     ``fedfisher-diag``: :class:`~fedfiot_flwr.FedFisherStrategy` (``fedfisher-steps``,
-    ``fisher-kind``); ``regmean``: :class:`~fedfiot_flwr.RegMeanStrategy`. All select their knobs
-    on the validation set and compute FedAvg of the same uploads next to their own model.
+    ``fisher-kind``); ``regmean``: :class:`~fedfiot_flwr.RegMeanStrategy`. All get the validation
+    set as their ``server_data`` (it chooses their knobs) and, with ``server-refine``, the same
+    refinement stage; all compute FedAvg of the same uploads next to their own model, given the
+    same stage.
     """
     has_data = validation is not None and len(validation) > 0  # type: ignore[arg-type]
     common: dict[str, Any] = dict(
@@ -150,15 +149,11 @@ def build_strategy(
         min_available_nodes=cfg.num_partitions,
         min_valid_replies=min(cfg.min_valid_replies, min_train),
         node_wait_s=cfg.node_wait_s,  # a lost SuperNode must not stop the later rounds
+        server_data=validation if has_data else None,
+        refine=RefineOptions() if cfg.server_refine and has_data else None,
     )
     if cfg.strategy == "fedfiot":
-        return FedFiOT(spec=permutation_spec(model), config=fedfiot_config(cfg),
-                       server_data=validation if has_data else None, **common)
-    validate_fn: ValidateFn | None = None
-    if has_data:
-        validate_fn = make_validate_fn(copy.deepcopy(model), DataLoader(validation, batch_size=512),  # type: ignore[arg-type]
-                                       device)
-    common["validate_fn"] = validate_fn
+        return FedFiOT(spec=permutation_spec(model), config=fedfiot_config(cfg), **common)
     if cfg.strategy in ("fedfisher-kfac", "fedfisher-diag"):
         return FedFisherStrategy(
             cfg.strategy.removeprefix("fedfisher-"), steps=cfg.fedfisher_steps, fisher_kind=cfg.client_fisher_kind(),
@@ -178,7 +173,7 @@ def main(grid: Grid, context: Context) -> None:
     test_fn = _evaluator(cfg, eval_model, DataLoader(split.test, batch_size=512), device)
     min_train = max(1, round(cfg.fraction_train * cfg.num_partitions))
 
-    strategy = build_strategy(cfg, model, split.validation, min_train, device)
+    strategy = build_strategy(cfg, model, split.validation, min_train)
     recorder = RunRecorder.create(cfg.results_dir, cfg.default_run_name(), {"app": cfg.as_dict()})
     log(INFO, "FedFiOT app (%s): %s; results in %s", type(strategy).__name__, json.dumps(cfg.as_dict()),
         recorder.run_dir)
@@ -206,10 +201,11 @@ def main(grid: Grid, context: Context) -> None:
     own = (final.get("own_test") or {}).get("accuracy")
     log(
         INFO,
-        "FINAL test accuracy after %d round(s): %s %s | FedAvg on the same uploads %s%s | results: %s",
+        "FINAL test accuracy after %d round(s): %s %s | FedAvg on the same uploads%s %s%s | results: %s",
         cfg.num_server_rounds,
-        STRATEGY_LABELS[cfg.strategy],
+        STRATEGY_LABELS[cfg.strategy] + (" + server refinement" if strategy.post_merge is not None else ""),
         "n/a" if ours is None else f"{100 * ours:.2f}%",
+        " + the same refinement" if strategy.post_merge is not None else "",
         "n/a" if base is None else f"{100 * base:.2f}%",
         "" if own is None else f" (FedAvg won the validation choice; FedFiOT's own merge: {100 * own:.2f}%)",
         recorder.path,

@@ -1,7 +1,7 @@
 """Three folds of the server's validation set, for deciding the refinement's options without the test set.
 
 The strategy splits its 500 validation examples into a fitting fold and a selection fold
-(:func:`fedfiot_flwr.server.refinement.split_folds`). To judge a change to the refinement, the
+(:func:`fedfiot_flwr.refine.stage.split_folds`). To judge a change to the refinement, the
 selection fold is halved once more: a selection fold that picks candidates, and an audit fold that
 neither fits nor selects and scores the returned model. ``refit_check.py`` and ``finetune_check.py``
 build their cells here.
@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, Subset
 
 from benchmarks import harness as H
 from benchmarks import server_methods as S
-from fedfiot_flwr.server.refinement import split_folds
-from fedfiot_flwr.server_refine import RefineOptions, RefineReport, refine_merged_model
+from fedfiot_flwr.refine.stage import split_folds
+from fedfiot_flwr.refine import RefineOptions, RefineReport, refine_merged_model
 
 
 def three_folds(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

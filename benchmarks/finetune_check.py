@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.audit_folds import audit_cell, cell_arguments  # noqa: E402
-from fedfiot_flwr.server_refine import RefineOptions  # noqa: E402
+from fedfiot_flwr.refine import RefineOptions  # noqa: E402
 
 PREVIOUS = RefineOptions(finetune_epochs=10, augment_copies=3, finetune_schedule="constant", checkpoint_every=2,
                          offer_starts=True)

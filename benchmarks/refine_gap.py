@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import server_methods as S  # noqa: E402
 from fedfiot_flwr.merge import merge  # noqa: E402
-from fedfiot_flwr.server_refine import RefineOptions, refine_merged_model  # noqa: E402
+from fedfiot_flwr.refine import RefineOptions, refine_merged_model  # noqa: E402
 
 
 def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ Rows (method names in the result records):
 - ``centralized``: one model trained on the union of the clients' data, same epochs and
   optimiser, from the broadcast initialisation (a ceiling: no federation).
 - ``fedfiot-refined``: FedFiOT's default merge followed by
-  :func:`fedfiot_flwr.server_refine.refine_merged_model`. The 500 validation examples are
+  :func:`fedfiot_flwr.refine.refine_merged_model`. The 500 validation examples are
   split once (seeded) into a fitting fold and a selection fold of 250 each: the merge's
   knobs (rho x lam x reference x Fisher scaling, aligned vs identity) and the refinement's
   candidate are chosen on the selection fold; only the refinement's least squares / REPAIR
@@ -33,8 +33,8 @@ from benchmarks import harness as H
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.refinement import fold_subsets
-from fedfiot_flwr.server_refine import RefineOptions, refine_merged_model
+from fedfiot_flwr.refine.stage import fold_subsets
+from fedfiot_flwr.refine import RefineOptions, refine_merged_model
 from fedfiot_flwr.task import train
 
 SERVER_DATA_METHODS = ("best-single-client", "mean-client", "ensemble", "centralized", "fedfiot-refined")
@@ -50,7 +50,7 @@ Model = dict[str, np.ndarray]
 
 def fold_loaders(split: FederatedSplit, batch_size: int = 500) -> tuple[DataLoader, DataLoader]:
     """DataLoaders of the fitting and selection folds of the server validation set (the strategy's
-    own split, :func:`fedfiot_flwr.server.refinement.split_folds`)."""
+    own split, :func:`fedfiot_flwr.refine.stage.split_folds`)."""
     fit, sel = fold_subsets(split.validation)
     return DataLoader(fit, batch_size=batch_size), DataLoader(sel, batch_size=batch_size)
 
@@ -163,8 +163,8 @@ def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch
     }
 
 
-DEFAULT_REFINE: RefineOptions = FedFiOTConfig.default().refine  # type: ignore[assignment]
-"""The refinement the default preset runs (`FedFiOTConfig.default().refine`; docs/one_shot_analysis.md says why)."""
+DEFAULT_REFINE = RefineOptions()
+"""The refinement as it ships (`RefineOptions()`, what `refine=RefineOptions()` runs; docs/one_shot_analysis.md says why)."""
 
 RIVALS = ("fedavg", "fisher-merge", "otfusion", "wb-fusion", "regmean", "fedfisher-diag", "fedfisher-kfac",
           "best-single-client")

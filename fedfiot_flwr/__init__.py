@@ -17,6 +17,7 @@ __all__ = [
     "FedFiOTConfig",
     "FedFiOTLegacy",
     "FedFisherStrategy",
+    "RefineOptions",
     "RegMeanStrategy",
     "SweepGrid",
     "__version__",
@@ -26,6 +27,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .client import fisher_reply
+    from .refine import RefineOptions
     from .server import FedFiOT, FedFiOTConfig, FedFiOTLegacy, FedFisherStrategy, RegMeanStrategy, SweepGrid
     from .validation import make_validate_fn
 
@@ -36,6 +38,7 @@ _LAZY = {
     "FedFisherStrategy": ".server",
     "RegMeanStrategy": ".server",
     "SweepGrid": ".server",
+    "RefineOptions": ".refine",
     "fisher_reply": ".client",
     "make_validate_fn": ".validation",
 }

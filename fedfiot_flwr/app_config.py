@@ -91,9 +91,10 @@ class AppConfig:
     sweep, sweep_rho, sweep_lam, sweep_reference, sweep_fisher_scaling
         Server-side selection on the validation set over the grid (comma-separated lists).
     server_refine
-        With the default preset, refine every round's merge on the server's validation set (split
-        into a fitting and a selection fold; :class:`fedfiot_flwr.server.refinement.ServerRefinement`).
-        The paper preset never refines.
+        Also train on the server's validation set: every round's model (whatever the strategy)
+        goes through the server refinement (split into a fitting and a selection fold;
+        :class:`fedfiot_flwr.refine.RefinementStage`), and so does the FedAvg it is compared
+        with. Off: the validation set only chooses.
     strategy, fisher_kind, fedfisher_steps
         The aggregation: ``fedfiot`` (default) or a baseline, ``fedfisher-kfac``,
         ``fedfisher-diag`` (:class:`fedfiot_flwr.FedFisherStrategy`) or ``regmean``
@@ -137,7 +138,7 @@ class AppConfig:
     preset: str = "default"
     fallback: str = ""
     sweep: bool = True
-    server_refine: bool = True
+    server_refine: bool = False
     sweep_rho: str = "0.2,0.3,0.4,0.5,0.6,0.7"
     sweep_lam: str = "1e-3,1e-4,1e-5"
     sweep_reference: str = "largest,broadcast"

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfiot_flwr.task import evaluate
+from fedfiot_flwr.batches import evaluate
 
 __all__ = ["ValidateFn", "make_validate_fn"]
 

@@ -249,7 +249,7 @@ def test_strategy_key_builds_the_right_server_strategy() -> None:
 
     from torch.utils.data import TensorDataset
 
-    from fedfiot_flwr.server.refinement import ServerRefinement
+    from fedfiot_flwr.refine.stage import RefinementStage
 
     model = Tiny()
     validation = TensorDataset(torch.randn(20, 4), torch.randint(0, 3, (20,)))
@@ -258,13 +258,13 @@ def test_strategy_key_builds_the_right_server_strategy() -> None:
         cfg = AppConfig.from_run_config({"strategy": key, "num-partitions": 3, "fedfisher-steps": 50})
         built[key] = server_app.build_strategy(cfg, model, validation, 3)
     assert type(built["fedfiot"]) is FedFiOT
-    # FedFiOT's default preset refines on the validation set; the baselines select on all of it.
-    assert isinstance(built["fedfiot"].aggregator.refiner, ServerRefinement)
-    assert all(built[k].validate_fn is not None for k in ("fedfisher-kfac", "fedfisher-diag", "regmean"))
-    no_refine = AppConfig.from_run_config({"num-partitions": 3, "server-refine": False})
-    assert server_app.build_strategy(no_refine, model, validation, 3).aggregator.refiner is None
+    # By default the validation set only chooses, for every strategy; server-refine trains on it, for every one.
+    assert all(built[k].validate_fn is not None and built[k].post_merge is None for k in built)
+    for key in built:
+        refined = AppConfig.from_run_config({"strategy": key, "num-partitions": 3, "server-refine": True})
+        assert isinstance(server_app.build_strategy(refined, model, validation, 3).post_merge, RefinementStage), key
     paper = AppConfig.from_run_config({"num-partitions": 3, "preset": "paper"})
-    assert server_app.build_strategy(paper, model, validation, 3).fedfiot_config.refine is None
+    assert server_app.build_strategy(paper, model, validation, 3).fedfiot_config.name == "paper"
     kfac, diag = built["fedfisher-kfac"].aggregator, built["fedfisher-diag"].aggregator
     assert isinstance(built["fedfisher-kfac"], FedFisherStrategy) and kfac.variant == "kfac"
     assert diag.variant == "diag" and diag.steps == 50

@@ -12,17 +12,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedfiot_flwr.fisher import output_vectors
 from fedfiot_flwr.merge import merge
-from fedfiot_flwr.merge.refine import LayerMoments, NeuronStats, reconstruction_error, repair_rescale, ridge_refit
+from fedfiot_flwr.refine.linalg import LayerMoments, NeuronStats, reconstruction_error, repair_rescale, ridge_refit
 from fedfiot_flwr.models import build_model, permutation_spec
-from fedfiot_flwr.server_refine import (
-    RefineOptions,
-    _client_neuron_stats,
-    distill_finetune,
-    _client_targets,
+from fedfiot_flwr.refine import RefineOptions, refine_merged_model
+from fedfiot_flwr.refine.finetune import distill_finetune
+from fedfiot_flwr.refine.ops import (
+    client_neuron_stats,
+    client_targets,
     layer_modules,
     least_squares_refine,
     recalibrate_batchnorm,
-    refine_merged_model,
     repair,
 )
 
@@ -99,12 +98,12 @@ def test_repair_restores_per_neuron_statistics_of_a_merged_mlp() -> None:
     batches = [next(iter(_loader(256, 3)))[0]]
     layers = layer_modules(model, batches[0])
     scratch = build_model("mlp", (1, 8, 8), 10)
-    targets = _client_neuron_stats(scratch, clients, [1 / 3] * 3, layer_modules(scratch, batches[0]), batches)
+    targets = client_neuron_stats(scratch, clients, [1 / 3] * 3, layer_modules(scratch, batches[0]), batches)
     model.load_state_dict({k: torch.as_tensor(v) for k, v in merged.items()})
-    before = _client_neuron_stats(model, [merged], [1.0], layers, batches)
+    before = client_neuron_stats(model, [merged], [1.0], layers, batches)
     model.load_state_dict({k: torch.as_tensor(v) for k, v in merged.items()})
     repair(model, layers, batches, targets)
-    after = _client_neuron_stats(model, [_state(model)], [1.0], layers, batches)
+    after = client_neuron_stats(model, [_state(model)], [1.0], layers, batches)
     for name, _ in layers[:-1]:  # hidden layers only
         gap_before = np.abs(before[name][1] - targets[name][1]).max()
         np.testing.assert_allclose(after[name][0], targets[name][0], atol=1e-4)
@@ -119,7 +118,7 @@ def test_least_squares_refine_lowers_every_layer_error_on_the_fitting_fold() -> 
     layers = layer_modules(model, batches[0])
     scratch = build_model("mlp", (1, 8, 8), 10)
     weights = [[torch.full((len(x),), 1 / 3) for x in batches] for _ in clients]
-    targets = _client_targets(scratch, clients, weights, layer_modules(scratch, batches[0]), batches)
+    targets = client_targets(scratch, clients, weights, layer_modules(scratch, batches[0]), batches)
     model.load_state_dict({k: torch.as_tensor(v) for k, v in merged.items()})
     errors = least_squares_refine(model, layers, batches, targets, ridge=1e-3)
     before, after = errors[0::2], errors[1::2]
@@ -243,10 +242,11 @@ def test_checkpoint_every_zero_offers_only_the_last_epoch() -> None:
     assert sorted(n for n in every2.selection_accuracy if n.startswith("ft")) == ["ft2(ls-r0.001)", "ft4(ls-r0.001)"]
     assert [n for n in final.selection_accuracy if n.startswith("ft")] == ["ft4(ls-r0.001)"]
     assert final.selection_accuracy["ft4(ls-r0.001)"] == every2.selection_accuracy["ft4(ls-r0.001)"]
+    # Bad options are refused when they are built, not when the refinement runs.
     with pytest.raises(ValueError, match="finetune_schedule"):
-        refine_merged_model(merged, clients, model, fit, select, options=replace(opts, finetune_schedule="step"))
+        replace(opts, finetune_schedule="step")
     with pytest.raises(ValueError, match="checkpoint_every"):
-        refine_merged_model(merged, clients, model, fit, select, options=replace(opts, checkpoint_every=-1))
+        replace(opts, checkpoint_every=-1)
 
 
 def test_starts_only_leaves_the_fine_tuned_model_to_compete_unless_it_diverges() -> None:

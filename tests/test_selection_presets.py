@@ -69,7 +69,7 @@ def test_the_strategy_runs_its_configuration_or_the_paper_rule_without_validatio
     from fedfiot_flwr import FedFiOT
 
     with_val = FedFiOT(spec=SPEC, validate_fn=closest_to(IDENTITY), config=FedFiOTConfig.default())
-    assert with_val.fedfiot_config == FedFiOTConfig.default(refine=None)  # no server_data: no refinement
+    assert with_val.fedfiot_config == FedFiOTConfig.default()  # a validate_fn: the configuration as given
     assert with_val.fedfiot_config.sweep.fisher_scalings == ("none", "size")
     without = FedFiOT(spec=SPEC, config=FedFiOTConfig.default(rho=0.3))
     assert (without.fedfiot_config.selection, without.fedfiot_config.sweep) == ("objective", None)

@@ -14,7 +14,7 @@ def test_the_benchmark_folds_are_the_strategys_folds() -> None:
     import torch
     from torch.utils.data import TensorDataset
 
-    from fedfiot_flwr.server.refinement import split_folds
+    from fedfiot_flwr.refine.stage import split_folds
 
     split = SimpleNamespace(validation=TensorDataset(torch.arange(500)))
     fit_loader, sel_loader = S.fold_loaders(split)  # type: ignore[arg-type]
@@ -58,7 +58,7 @@ def test_combine_keeps_the_later_record_of_a_duplicate() -> None:
 
 def test_the_audit_folds_split_the_selection_fold_in_two() -> None:
     from benchmarks.audit_folds import three_folds
-    from fedfiot_flwr.server.refinement import split_folds
+    from fedfiot_flwr.refine.stage import split_folds
 
     fit, select, audit = three_folds(500)
     assert fit.tolist() == split_folds(500)[0].tolist()  # the strategy's own fitting fold
@@ -76,7 +76,7 @@ def test_finetune_check_rules_match_what_the_refinement_returns() -> None:
 
     from benchmarks.finetune_check import LONGER, choices
     from fedfiot_flwr.models import build_model
-    from fedfiot_flwr.server_refine import refine_merged_model
+    from fedfiot_flwr.refine import refine_merged_model
 
     models = [build_model("mlp", (1, 8, 8), 10, seed=i) for i in range(3)]
     clients = [{k: v.detach().numpy().copy() for k, v in m.state_dict().items()} for m in models]

@@ -194,10 +194,11 @@ def test_without_validation_one_rule_is_announced_once(caplog) -> None:
 
     with caplog.at_level(logging.INFO, logger="flwr"):
         strategy = FedFiOT(spec=SPEC)
+        strategy.summary()
         strategy.aggregate_train(1, _replies(client_uploads(2, seed=5)))
         strategy.aggregate_train(2, _replies(client_uploads(2, seed=6)))
-    notices = [r.getMessage() for r in caplog.records if "without a validate_fn" in r.getMessage()]
-    assert len(notices) == 1 and "'default'" in notices[0] and "selection='validation'" in notices[0]
+    notices = [r.getMessage() for r in caplog.records if "no server data" in r.getMessage()]
+    assert len(notices) == 1 and "(default)" in notices[0] and "the paper's rule" in notices[0]
     assert strategy.fedfiot_config.selection == "objective" and strategy.fedfiot_config.sweep is None
     assert strategy.requested_config == FedFiOTConfig.default()
     assert not any("fallback" in r.getMessage() for r in caplog.records)
@@ -206,12 +207,12 @@ def test_without_validation_one_rule_is_announced_once(caplog) -> None:
 def test_paper_and_default_configurations_differ_only_where_documented() -> None:
     paper, default = FedFiOTConfig.paper(), FedFiOTConfig.default()
     differ = {k for k, v in paper.as_dict().items() if default.as_dict()[k] != v}
-    assert differ == {"name", "selection", "sweep", "fedavg_candidate", "fisher_cap", "refine", "certify"}
-    assert paper.fisher_cap is None and paper.refine is None  # the paper weighs the Fishers as uploaded
+    assert differ == {"name", "selection", "sweep", "fedavg_candidate", "fisher_cap", "certify"}
+    assert paper.fisher_cap is None  # the paper weighs the Fishers as uploaded
     assert default.certify and not paper.certify  # certified assignments: the same permutations, faster
-    # The refinement needs labelled server data; with it, its candidates replace the FedAvg candidate.
-    assert default.with_server_data(False).refine is None and default.with_server_data(False).fedavg_candidate
-    assert not default.with_server_data(True).fedavg_candidate and default.without_validation().refine is None
+    # With a refinement after the merge, its candidates replace the FedAvg candidate.
+    assert default.for_server(True).fedavg_candidate and not default.for_server(True, refining=True).fedavg_candidate
+    assert default.for_server(False) == default.without_validation()
     assert paper.selection == "objective" and not paper.fedavg_candidate
     assert paper.sweep == SweepGrid() and paper.fisher_scaling == "none"
     assert default.without_validation().selection == "objective"
@@ -410,4 +411,6 @@ def test_a_batchnorm_model_goes_through_several_rounds_and_the_bn_hook_runs() ->
         {k: v.numpy() for k, v in model.state_dict().items()}), num_rounds=3)
     assert [r["rejected"] for r in strategy.reports] == [[], [], []]
     assert result.arrays["1.num_batches_tracked"].numpy().shape == ()
-    assert len(calls) == 3 and np.all(result.arrays["1.running_var"].numpy() == 1.0)
+    assert np.all(result.arrays["1.running_var"].numpy() == 1.0)
+    # Each round: once for the round's model, once for FedAvg of the same uploads (compared on the same terms).
+    assert len(calls) == 6 and np.all(strategy.last_round.outcome.alternatives["fedavg"]["1.running_var"] == 1.0)

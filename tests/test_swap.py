@@ -21,12 +21,17 @@ TEMPLATE = ROOT / "tests" / "template_app"
 NUM_SUPERNODES = 4
 
 
+def readme_diff(marker: str) -> str:
+    """The diff block that follows ``<!-- marker ... -->`` in README.md."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(rf"<!-- {marker}[^>]*-->\s*```diff\n(.*?)```", text, re.S)
+    assert match, f"README.md has no {marker} block"
+    return match.group(1)
+
+
 def readme_swap_diff() -> str:
     """The diff block that follows the swap marker in README.md."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(r"<!-- swap-diff[^>]*-->\s*```diff\n(.*?)```", text, re.S)
-    assert match, "README.md has no swap diff block"
-    return match.group(1)
+    return readme_diff("swap-diff")
 
 
 def changed_lines(diff: str) -> tuple[int, int]:
@@ -44,6 +49,60 @@ def test_the_readme_swap_is_at_most_six_changed_lines_and_applies(tmp_path: Path
     app = tmp_path / "app"
     shutil.copytree(TEMPLATE, app, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(["git", "apply", "--check", "-"], input=diff, text=True, cwd=app, check=True)
+
+
+def _example_ids(data) -> list[int]:  # noqa: ANN001
+    """The ids of a dataset's or loader's examples (each input is filled with its example's id)."""
+    from torch.utils.data import DataLoader
+
+    dataset = data.dataset if isinstance(data, DataLoader) else data
+    return [int(dataset[i][0].flatten()[0]) for i in range(len(dataset))]
+
+
+def test_the_readme_server_data_snippet_never_hands_the_strategy_an_evaluation_example(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    import importlib
+    import sys
+    import types
+
+    app = tmp_path / "app"
+    shutil.copytree(TEMPLATE, app, ignore=shutil.ignore_patterns("__pycache__"))
+    for diff in (readme_swap_diff(), readme_diff("server-data-diff")):
+        subprocess.run(["git", "apply", "-"], input=diff, text=True, cwd=app, check=True)
+    monkeypatch.syspath_prepend(str(app))
+    for name in [m for m in sys.modules if m == "digitsapp" or m.startswith("digitsapp.")]:
+        monkeypatch.delitem(sys.modules, name)
+    server_app = importlib.import_module("digitsapp.server_app")
+    seen: dict[str, object] = {}
+
+    class Recording:
+        """Stands in for FedFiOT: keeps what the snippet gives it and runs the app's evaluation once."""
+
+        def __init__(self, *, server_data=None, **_: object) -> None:  # noqa: ANN001
+            seen["server_data"] = server_data
+
+        def start(self, *, initial_arrays, evaluate_fn, **_: object):  # noqa: ANN001, ANN202
+            evaluate_fn(1, initial_arrays)
+            return types.SimpleNamespace(evaluate_metrics_serverapp={})
+
+    def spy_test(model, loader, device):  # noqa: ANN001, ANN202
+        seen["evaluated"] = loader
+        return 0.0, 0.0
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    n_central = len(server_app.load_centralized_dataset().dataset)
+    ids = torch.arange(n_central, dtype=torch.float32).reshape(-1, 1, 1, 1).expand(-1, 1, 8, 8).clone()
+    labelled_ids = TensorDataset(ids, torch.zeros(n_central, dtype=torch.long))
+    monkeypatch.setattr(server_app, "load_centralized_dataset", lambda: DataLoader(labelled_ids, batch_size=256))
+    monkeypatch.setattr(server_app, "FedFiOT", Recording)
+    monkeypatch.setattr(server_app, "test", spy_test)
+    run_config = {"fraction-train": 1.0, "num-server-rounds": 1, "lr": 0.01, "seed": 0, "results-file": ""}
+    server_app.main(None, types.SimpleNamespace(run_config=run_config))  # ServerApp.main returns the function
+    held, evaluated = _example_ids(seen["server_data"]), _example_ids(seen["evaluated"])
+    assert len(held) >= 50 and len(evaluated) >= n_central // 2
+    assert set(held).isdisjoint(evaluated)
 
 
 def _final_accuracy(fed: LocalFederation, app: Path, results: Path) -> float:

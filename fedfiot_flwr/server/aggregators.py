@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,9 +27,6 @@ from fedfiot_flwr.reply_limits import fisher_bound_for
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.selection import Candidate, merge_round
 from fedfiot_flwr.server.uploads import CollectedUploads
-
-if TYPE_CHECKING:
-    from fedfiot_flwr.server_refine import RefineReport
 
 __all__ = [
     "AggregateOutcome",
@@ -43,10 +40,6 @@ __all__ = [
 
 Model = dict[str, np.ndarray]
 Validate = Callable[[Model], Mapping[str, float] | None]
-Refiner = Callable[[Model, Sequence[Model], Mapping[str, Sequence[np.ndarray]] | None, Sequence[int]],
-                   tuple[Model, "RefineReport"]]
-"""``(merged, client models, permutations or None, client sizes) -> (model, report)``
-(:class:`fedfiot_flwr.server.refinement.ServerRefinement`)."""
 
 FEDFISHER_VARIANTS = ("kfac", "diag")
 FISHER_KINDS = ("true", "empirical")
@@ -97,6 +90,9 @@ class AggregateOutcome:
         Validation metrics of the alternatives, where computed.
     seconds : float
         Wall time of the aggregation including selection.
+    permutations : dict or None
+        How the aggregator aligned each client to ``model``'s neuron order (``perm -> one array
+        per client``, in upload order); ``None`` when the clients were merged as they are.
     """
 
     model: Model
@@ -107,6 +103,7 @@ class AggregateOutcome:
     alternatives: dict[str, Model] = field(default_factory=dict)
     alternative_validation: dict[str, dict[str, float]] = field(default_factory=dict)
     seconds: float = 0.0
+    permutations: dict[str, list[np.ndarray]] | None = None
 
 
 class Aggregator(Protocol):
@@ -118,6 +115,10 @@ class Aggregator(Protocol):
 
     def config(self) -> dict[str, Any]:
         """JSON-ready configuration (logged and recorded)."""
+        ...
+
+    def describe(self, has_validation: bool) -> str:
+        """What the aggregator does each round, in plain words, with or without validation data."""
         ...
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
@@ -156,25 +157,28 @@ class FedFiOTAggregator:
         Which axes of which tensors move together.
     config : FedFiOTConfig
         Merge options and selection (already resolved for the presence of validation data).
-    refiner : callable, optional
-        Server refinement applied to every round's merge when ``config.refine`` is set
-        (:class:`~fedfiot_flwr.server.refinement.ServerRefinement`).
     """
 
     label = "FedFiOT"
     reply_kind = "fisher"
     fisher_kind: str | None = None
 
-    def __init__(self, spec: PermutationSpec, config: FedFiOTConfig, refiner: Refiner | None = None) -> None:
-        if config.refine is not None and refiner is None:
-            raise ValueError("config.refine is set but no refiner was given (the strategy builds one from server_data)")
+    def __init__(self, spec: PermutationSpec, config: FedFiOTConfig) -> None:
+        if not isinstance(spec, PermutationSpec):
+            raise TypeError(f"FedFiOT needs a PermutationSpec, got {type(spec).__name__}")
+        if not isinstance(config, FedFiOTConfig):
+            raise TypeError(f"config must be a FedFiOTConfig (e.g. FedFiOTConfig.default(rho=0.3)), "
+                            f"got {type(config).__name__}")
         self.spec = spec
         self.settings = config
-        self.refiner = refiner if config.refine is not None else None
 
     def config(self) -> dict[str, Any]:
         """The FedFiOT configuration."""
         return self.settings.as_dict()
+
+    def describe(self, has_validation: bool) -> str:
+        """The merge rule in words (:meth:`FedFiOTConfig.describe`)."""
+        return self.settings.describe(has_validation)
 
     @property
     def fisher_bound(self) -> float | None:
@@ -246,35 +250,20 @@ class FedFiOTAggregator:
                 alt_val["fedfiot-own"] = dict(outcome.own_validation)
         chosen = {"rho": cand.rho, "lam": cand.lam, "reference": cand.reference,
                   "fisher_scaling": cand.fisher_scaling, "variant": outcome.variant}
-        model, validation, seconds = outcome.model, outcome.validation, outcome.seconds
-        if self.refiner is not None:
-            perms = res.permutations if outcome.variant == "aligned" else None
-            model, rep = self.refiner(outcome.model, uploads.weights, perms, uploads.num_examples)
-            validation = None  # a new model: the round validates what it returns
-            seconds += rep.seconds
-            chosen["refinement"] = rep.chosen
-            alternatives["fedfiot-unrefined"] = outcome.model
-            if outcome.validation is not None:
-                alt_val["fedfiot-unrefined"] = dict(outcome.validation)
-            metrics["refine-seconds"] = float(rep.seconds)
-            metrics["refine-selection-accuracy"] = float(rep.selection_accuracy[rep.chosen])
-            metrics["refine-kept-merge"] = int(rep.chosen == "merged")
-            record["refinement"] = {"chosen": rep.chosen, "selection_accuracy": rep.selection_accuracy,
-                                    "fit_examples": rep.fit_examples, "select_examples": rep.select_examples,
-                                    "seconds": rep.seconds}
-        return AggregateOutcome(model, chosen, metrics, record, validation, alternatives, alt_val, seconds)
+        perms = {p: list(v) for p, v in res.permutations.items()} if outcome.variant == "aligned" else None
+        return AggregateOutcome(outcome.model, chosen, metrics, record, outcome.validation, alternatives, alt_val,
+                                outcome.seconds, perms)
 
 
 def describe_fedfiot_choice(chosen: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
     """One log line about what the merge kept, e.g. ``kept the aligned merge (alignment moved 12% of neurons)``."""
     moved = 100 * float(np.mean(metrics.get("alignment-moved-fraction") or [0.0]))
     variant = chosen.get("variant")
-    refined = f"; server refinement returned {chosen['refinement']}" if "refinement" in chosen else ""
     if variant == "aligned":
-        return f"kept the aligned merge (alignment moved {moved:.0f}% of neurons){refined}"
+        return f"kept the aligned merge (alignment moved {moved:.0f}% of neurons)"
     if variant == "identity":
         return (f"kept the identity merge, no alignment (the discarded alignment would have moved {moved:.0f}% "
-                f"of neurons){refined}")
+                "of neurons)")
     return "kept FedAvg of the same uploads (it validated best; FedFiOT's own merge is reported next to it)"
 
 
@@ -291,6 +280,10 @@ class FedAvgAggregator:
     def config(self) -> dict[str, Any]:
         """No options."""
         return {"method": "fedavg"}
+
+    def describe(self, has_validation: bool) -> str:
+        """FedAvg has no knobs to choose."""
+        return "FedAvg (example-weighted mean of the weights)"
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
         """``sum_k n_k W_k / sum_k n_k``."""
@@ -363,6 +356,11 @@ class FedFisherAggregator:
                 "eval_every": self.eval_every, "optimizer": self.optimizer, "fisher_scaling": self.fisher_scaling,
                 "damping": self.damping, "fisher_kind": self.fisher_kind, "selection_metric": self.selection_metric}
 
+    def describe(self, has_validation: bool) -> str:
+        """The optimisation and how its checkpoint is chosen."""
+        pick = "the checkpoint that validates best" if has_validation else "the last step"
+        return f"{self.label}: {self.steps} optimisation steps from FedAvg, keeping {pick}"
+
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
         """FedFisher on the valid uploads; the best checkpoint on validation (the last without)."""
         from fedfiot_flwr.baselines.fedfisher import fedfisher_diag, fedfisher_kfac
@@ -433,6 +431,11 @@ class RegMeanAggregator:
         """The RegMean options."""
         return {"method": "regmean", "alphas": list(self.alphas), "gram_scaling": self.gram_scaling,
                 "rcond": self.rcond, "selection_metric": self.selection_metric}
+
+    def describe(self, has_validation: bool) -> str:
+        """The alphas tried and how one is chosen."""
+        pick = "the alpha that validates best" if has_validation else f"alpha={self.alphas[-1]:g} (the last)"
+        return f"RegMean over alpha in {list(self.alphas)}, keeping {pick}"
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
         """RegMean for every alpha; the best on validation."""

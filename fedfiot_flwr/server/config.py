@@ -10,14 +10,12 @@ Two named configurations:
   whichever of the aligned merge, the identity merge and FedAvg of the same uploads validates
   best, and tries the Fisher scaled by client size in the grid; FedFiOT's own merge is always
   reported next to a FedAvg win, and no client's Fisher may exceed ``DEFAULT_FISHER_CAP`` times the
-  clients' median (robust weighting). With labelled server data (the strategy's ``server_data``)
-  it also refines each round's merge on the server (``refine``, see
-  :mod:`fedfiot_flwr.server.refinement`): the data is split into a fitting and a selection fold,
-  the merge's knobs are chosen on the selection fold, and the refinement's candidates (the merge,
-  fine-tuned refit, each client's model) are fitted on the fitting
-  fold and chosen on the selection fold. The refinement's candidates replace FedAvg as the safety
-  net, so FedAvg is then not a merge candidate (it is still reported next to the result).
-  Without validation data its merge rule is the paper's.
+  clients' median (robust weighting). Without validation data its merge rule is the paper's.
+
+Neither configuration trains on server data: fitting the model on the server's labelled examples
+is a separate post-merge stage the strategy runs only when asked (``refine=RefineOptions()``,
+:mod:`fedfiot_flwr.refine`), the same for every aggregator. With it on, FedAvg is not a merge
+candidate (:meth:`FedFiOTConfig.for_server`): the refinement's candidates are the safety net.
 
 Without a ``validate_fn`` every configuration merges once per round with its own ``(rho, lam,
 reference, fisher_scaling)`` and the paper's identity rule (:meth:`FedFiOTConfig.without_validation`).
@@ -32,7 +30,6 @@ from fedfiot_flwr.merge import FISHER_SCALINGS
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
 from fedfiot_flwr.merge.validate import check_options, check_speed_options
 from fedfiot_flwr.server.selection import FALLBACKS, REFERENCES, SweepGrid
-from fedfiot_flwr.server_refine import RefineOptions
 
 __all__ = ["FedFiOTConfig", "SELECTIONS"]
 
@@ -73,10 +70,6 @@ class FedFiOTConfig:
     fisher_cap : float or None
         Robust weighting: no client's Fisher may exceed this factor (>= 1) times the clients'
         median (:func:`fedfiot_flwr.merge.robust.cap_fishers`); ``None`` or 0: as uploaded.
-    refine : RefineOptions or None
-        Server refinement of every round's merge on labelled server data
-        (:class:`~fedfiot_flwr.server.refinement.ServerRefinement`); ``None``: no refinement.
-        It runs only when the strategy gets ``server_data``.
     certify : bool
         Try each client's previous assignment first and keep it when a dual certificate proves
         it optimal (:mod:`fedfiot_flwr.merge.certify`): the same permutations and the same model
@@ -102,7 +95,6 @@ class FedFiOTConfig:
     fedavg_candidate: bool = False
     selection_metric: str = "accuracy"
     fisher_cap: float | None = None
-    refine: RefineOptions | None = None
     certify: bool = False
     cost_dtype: str = "float64"
     lap_solver: str = "scipy"
@@ -130,7 +122,7 @@ class FedFiOTConfig:
     def default(cls, **changes: Any) -> FedFiOTConfig:
         """This project's default: validation chooses among aligned, identity and FedAvg of the same uploads."""
         base = cls(name="default", selection="validation", sweep=SweepGrid(fisher_scalings=("none", "size")),
-                   fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP, refine=RefineOptions(), certify=True)
+                   fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP, certify=True)
         return replace(base, **changes)
 
     @classmethod
@@ -143,38 +135,37 @@ class FedFiOTConfig:
     def without_validation(self) -> FedFiOTConfig:
         """What runs when the server has no validation data: one merge per round, the paper's identity rule."""
         selection = "objective" if self.selection == "validation" else self.selection
-        return replace(self, selection=selection, sweep=None, fedavg_candidate=False, refine=None)
+        return replace(self, selection=selection, sweep=None, fedavg_candidate=False)
 
-    def with_server_data(self, has_server_data: bool) -> FedFiOTConfig:
-        """What runs with (or without) labelled server data: the refinement needs it; with the
-        refinement on, FedAvg is not a merge candidate (the refinement's candidates are the net)."""
-        if self.refine is None:
-            return self
-        if not has_server_data:
-            return replace(self, refine=None)
-        return replace(self, fedavg_candidate=False)
+    def for_server(self, has_validation: bool, refining: bool = False) -> FedFiOTConfig:
+        """The configuration that runs given what the server holds.
 
-    def describe_without_validation(self) -> str | None:
-        """The one start-up notice for a run without ``validate_fn`` (``None`` when nothing changes)."""
-        dropped = []
-        if self.selection == "validation":
-            dropped.append("selection='validation' becomes the paper's identity rule (keep the aligned merge "
-                           "unless it does not lower the merge objective)")
-        if self.sweep is not None:
-            dropped.append(f"no sweep: every round merges with rho={self.rho:g}, lam={self.lam:g}, "
-                           f"reference={self.reference}, fisher_scaling={self.fisher_scaling}")
-        if self.fedavg_candidate:
-            dropped.append("FedAvg of the same uploads is not a candidate")
-        if self.refine is not None:
-            dropped.append("no server refinement (it needs labelled server_data)")
-        if not dropped:
-            return None
-        return f"FedFiOT config {self.name!r} without a validate_fn: " + "; ".join(dropped) + "."
+        Without validation data: :meth:`without_validation`. With a refinement stage after the
+        merge, FedAvg of the same uploads is not a merge candidate (the refinement's candidates,
+        the merge and every client, are the safety net).
+        """
+        if not has_validation:
+            return self.without_validation()
+        return replace(self, fedavg_candidate=False) if refining else self
+
+    def describe(self, has_validation: bool) -> str:
+        """What the merge does each round, in plain words (for the strategy's start-up line)."""
+        cfg = self.for_server(has_validation)
+        rule = {"objective": "the paper's rule (keep the aligned merge unless alignment does not lower the merge "
+                             "objective)",
+                "validation": "the aligned, the identity" + (" or FedAvg's" if cfg.fedavg_candidate else "")
+                              + " merge, whichever validates best",
+                "none": "always the aligned merge"}[cfg.selection]
+        if cfg.sweep is None or not has_validation:
+            knobs = f"rho={cfg.rho:g}, lam={cfg.lam:g}, reference={cfg.reference}"
+            return f"FedFiOT merge ({self.name}) with {knobs} and {rule}"
+        g = cfg.sweep
+        size = len(g.rhos) * len(g.lams) * len(g.references) * len(g.fisher_scalings)
+        return (f"FedFiOT merge ({self.name}): up to {size} knob settings (rho, lam, reference, Fisher scaling) "
+                f"and {rule}")
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view."""
         out = asdict(self)
         out["sweep"] = None if self.sweep is None else {k: list(v) for k, v in asdict(self.sweep).items()}
-        if self.refine is not None:
-            out["refine"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.refine).items()}
         return out

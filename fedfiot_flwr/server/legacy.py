@@ -27,8 +27,10 @@ from flwr.server.strategy import FedAvg
 from flwr.supercore import log
 
 from fedfiot_flwr.merge import PermutationSpec
+from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.rounds import RoundMerger
+from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.shell import ValidateFn, buffers_of
 from fedfiot_flwr.server.strategies import fedfiot_aggregator
 from fedfiot_flwr.server.uploads import DUPLICATE_REASON
@@ -46,7 +48,7 @@ class FedFiOTLegacy(FedAvg):
 
     Parameters
     ----------
-    spec, model, config, validate_fn, server_data, buffers, min_valid_replies, fedavg_baseline
+    spec, model, config, validate_fn, server_data, refine, buffers, min_valid_replies, fedavg_baseline
         As in :class:`fedfiot_flwr.FedFiOT`.
     names : sequence of str, optional
         State-dict key order of the global parameter list (default: ``model.state_dict()``
@@ -63,6 +65,7 @@ class FedFiOTLegacy(FedAvg):
         config: FedFiOTConfig | None = None,
         validate_fn: ValidateFn | None = None,
         server_data: Dataset[Any] | None = None,
+        refine: RefineOptions | None = None,
         names: Sequence[str] | None = None,
         buffers: Sequence[str] | None = None,
         min_valid_replies: int | None = None,
@@ -70,16 +73,22 @@ class FedFiOTLegacy(FedAvg):
         **fedavg_options: Any,
     ) -> None:
         FedAvg.__init__(self, **fedavg_options)
-        spec, self.fedfiot_config, aggregator, validate_fn = fedfiot_aggregator(
-            spec, model, config, validate_fn, server_data, label="FedFiOTLegacy")
-        self.spec = spec
+        label = "FedFiOTLegacy"
+        aggregator = fedfiot_aggregator(spec, model, config, validate_fn is not None or server_data is not None,
+                                        refine is not None, label=label)
+        self.fedfiot_config = aggregator.settings
+        self.spec = spec = aggregator.spec
+        plan = plan_server_data(label, model, server_data, refine, validate_fn, aggregator.describe, spec)
         self.merger = RoundMerger(
             aggregator,
             buffers=tuple(buffers) if buffers is not None else buffers_of(model),
-            validate_fn=validate_fn,
+            validate_fn=plan.validate_fn,
             min_valid_replies=max(1, self.min_fit_clients) if min_valid_replies is None else min_valid_replies,
             fedavg_baseline=fedavg_baseline,
+            post_merge=plan.stage,
         )
+        self.plan = f"{label}: {plan.describe}"
+        log(INFO, "%s", self.plan)
         if names is not None:
             self.names = list(names)
         elif model is not None:

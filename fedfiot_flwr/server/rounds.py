@@ -18,6 +18,7 @@ from flwr.app import RecordDict
 from flwr.supercore import log
 
 from fedfiot_flwr.baselines.averaging import size_weighted_average
+from fedfiot_flwr.refine.base import PostMergeStage, StageResult
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
 from fedfiot_flwr.server.aggregators import AggregateOutcome, Aggregator, RoundContext, describe_fedfiot_choice
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads, require_enough, weighted_mean_metrics
@@ -70,10 +71,13 @@ class RoundMerger:
     min_valid_replies : int
         The round fails with a clear error below this many valid replies.
     fedavg_baseline : bool
-        Also compute FedAvg of the same uploads (reported next to the method's model).
-    post_merge : callable, optional
-        ``model dict -> model dict`` applied to the merged model before it is validated and
-        returned (e.g. BatchNorm statistics recomputed on server data).
+        Also compute FedAvg of the same uploads (reported next to the method's model). With a
+        ``post_merge`` stage, FedAvg goes through the same stage, so that the comparison is
+        between models that had the same server data used the same way.
+    post_merge : PostMergeStage, optional
+        Applied to the aggregated model before it is validated and returned (the server
+        refinement, :class:`fedfiot_flwr.refine.RefinementStage`, or BatchNorm recalibration as a
+        :class:`fedfiot_flwr.refine.ModelMapStage`).
     """
 
     def __init__(
@@ -84,7 +88,7 @@ class RoundMerger:
         validate_fn: ValidateFn | None = None,
         min_valid_replies: int = 1,
         fedavg_baseline: bool = True,
-        post_merge: Callable[[Model], Model] | None = None,
+        post_merge: PostMergeStage | None = None,
     ) -> None:
         if min_valid_replies < 1:
             raise ValueError(f"min_valid_replies must be >= 1, got {min_valid_replies}")
@@ -157,13 +161,22 @@ class RoundMerger:
         order = list(broadcast) if broadcast is not None else list(uploads.weights[0])
         model = {k: np.asarray(outcome.model[k]) for k in order}
         validation = outcome.validation
-        if self.post_merge is not None:
-            model = {k: np.asarray(v) for k, v in self.post_merge(model).items()}
-            validation = None  # the model changed: validate what is returned
-        if validation is None:
-            validation = self._validate(model)
         if self.fedavg_baseline and "fedavg" not in outcome.alternatives:
             outcome.alternatives["fedavg"] = size_weighted_average(uploads.weights, uploads.num_examples)
+        stage: StageResult | None = None
+        if self.post_merge is not None:
+            stage = self._post_merge(model, uploads, outcome.permutations)
+            outcome.alternatives["unrefined"], model = model, {k: np.asarray(stage.model[k]) for k in order}
+            if validation is not None:
+                outcome.alternative_validation["unrefined"] = dict(validation)
+            validation = None  # the model changed: validate what is returned
+            if "fedavg" in outcome.alternatives:
+                fedavg = {k: np.asarray(outcome.alternatives["fedavg"][k]) for k in order}
+                same = all(np.array_equal(fedavg[k], outcome.alternatives["unrefined"][k]) for k in order)
+                outcome.alternatives["fedavg"] = model if same else self._post_merge(fedavg, uploads, None).model
+                outcome.alternative_validation.pop("fedavg", None)
+        if validation is None:
+            validation = self._validate(model)
         for name, alt in outcome.alternatives.items():
             outcome.alternatives[name] = {k: np.asarray(alt[k]) for k in order}
             if name not in outcome.alternative_validation and self.validate_fn is not None:
@@ -175,6 +188,7 @@ class RoundMerger:
             "bytes-received": int(uploads.bytes_received),
             "aggregate-seconds": float(seconds),
             **outcome.metrics,
+            **(stage.metrics if stage is not None else {}),
         }
         for prefix, val in (("val", validation), *((f"{n}-val", v) for n, v in outcome.alternative_validation.items())):
             for key, value in (val or {}).items():
@@ -194,20 +208,32 @@ class RoundMerger:
             "server_metrics": server_metrics,
             "seconds": seconds,
             **outcome.record,
+            **({"post_merge": {"stage": self.post_merge.label, "returned": stage.returned, **stage.record}}  # type: ignore[union-attr]
+               if stage is not None else {}),
         })
         self.reports.append(report)
         self.last = RoundResult(model, uploads, outcome, report)
-        self._log(server_round, outcome, validation)
+        self._log(server_round, outcome, validation, stage, seconds)
         return self.last
 
-    def _log(self, server_round: int, outcome: AggregateOutcome, validation: Mapping[str, float] | None) -> None:
+    def _post_merge(self, model: Model, uploads: CollectedUploads,
+                    permutations: Mapping[str, Sequence[np.ndarray]] | None) -> StageResult:
+        assert self.post_merge is not None
+        return self.post_merge(model, uploads.weights, permutations, uploads.num_examples, uploads.client_ids)
+
+    def _log(self, server_round: int, outcome: AggregateOutcome, validation: Mapping[str, float] | None,
+             stage: StageResult | None, seconds: float) -> None:
+        """One readable line: what the round returned, the score that chose it, FedAvg on the same terms."""
         label = self.aggregator.label
         what = (describe_fedfiot_choice(outcome.chosen, outcome.metrics) if "variant" in outcome.chosen
                 and outcome.chosen.get("variant") in ("aligned", "identity", "fedavg") else f"chose {outcome.chosen}")
+        if stage is not None:
+            what += f"; returned {stage.returned}"
         val = ""
-        if validation:
-            val = "; validation " + ", ".join(f"{k} {v:.4f}" for k, v in validation.items())
+        if validation and "accuracy" in validation:
+            val = f"; accuracy {validation['accuracy']:.4f} on the server examples that chose it (optimistic)"
             fedavg = outcome.alternative_validation.get("fedavg")
-            if fedavg:
-                val += " (FedAvg of the same uploads: " + ", ".join(f"{k} {v:.4f}" for k, v in fedavg.items()) + ")"
-        log(INFO, "%s round %s (server): %s in %.2fs%s", label, server_round, what, outcome.seconds, val)
+            if fedavg and "accuracy" in fedavg:
+                terms = " given the same post-merge stage" if stage is not None else ""
+                val += f"; FedAvg of the same uploads{terms}: {fedavg['accuracy']:.4f} on the same examples"
+        log(INFO, "%s round %s (server, %.1fs): %s%s", label, server_round, seconds, what, val)

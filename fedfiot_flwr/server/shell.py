@@ -23,13 +23,17 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedfiot_flwr.refine.base import ModelMapStage, PostMergeStage
+from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.aggregators import Aggregator
 from fedfiot_flwr.server.nodes import NodeWaiter
 from fedfiot_flwr.server.rounds import RoundMerger, RoundResult
+from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.uploads import DUPLICATE_REASON
 
 if TYPE_CHECKING:
     import torch
+    from torch.utils.data import Dataset
 
 __all__ = ["MergeStrategy", "arrays_to_numpy", "buffers_of", "numpy_to_arrays"]
 
@@ -56,6 +60,14 @@ def buffers_of(model: torch.nn.Module | None) -> tuple[str, ...]:
         return ()
     params = {n for n, _ in model.named_parameters()}
     return tuple(n for n in model.state_dict() if n not in params)
+
+
+def check_model(model: Any, label: str) -> None:
+    """``model`` is ``None`` or a torch module (checked without importing torch)."""
+    if model is not None and not (callable(getattr(model, "named_parameters", None))
+                                  and callable(getattr(model, "state_dict", None))):
+        raise TypeError(f"{label}: model must be a torch.nn.Module instance (e.g. model=Net()), "
+                        f"got {type(model).__name__} {model!r:.60}")
 
 
 def _metric_record(values: Mapping[str, Any]) -> MetricRecord:
@@ -85,6 +97,16 @@ class MergeStrategy(FedAvg):
     validate_fn : callable, optional
         ``model dict -> metrics`` on the server's validation data
         (:func:`fedfiot_flwr.validation.make_validate_fn` builds one).
+    server_data : torch Dataset, optional
+        Labelled ``(input, label)`` examples the server holds (instead of ``validate_fn``; needs
+        ``model``). On their own they only choose the aggregator's knobs; nothing is trained on
+        them. Checked with one forward pass when the strategy is built.
+    refine : RefineOptions, optional
+        Also fit the returned model on the server's examples
+        (:class:`fedfiot_flwr.refine.RefinementStage`): they are split into a fitting and a
+        selection fold, the selection fold chooses the knobs and the returned model, the
+        fitting fold trains the refinement's candidates. The same stage runs after FedAvg of the
+        same uploads when ``fedavg_baseline`` is on (twice the server time).
     min_valid_replies : int, optional
         The round fails with a clear error below this many valid replies (default:
         ``min_train_nodes``, at least 1).
@@ -94,6 +116,7 @@ class MergeStrategy(FedAvg):
         ``model dict -> model dict`` applied to every round's merged model before it is
         validated, reported and broadcast (e.g. BatchNorm running statistics recomputed on server
         data). Without it, BN statistics are the merge's size-weighted averages of the clients'.
+        Not with ``refine`` (the refinement recalibrates BatchNorm on its fitting fold itself).
     node_wait_s : float, optional
         Before each round, wait at most this long for ``min_available_nodes`` nodes, then go on
         with the connected ones (at least ``min_valid_replies``); nodes lost since an earlier
@@ -112,6 +135,8 @@ class MergeStrategy(FedAvg):
         model: torch.nn.Module | None = None,
         buffers: Sequence[str] | None = None,
         validate_fn: ValidateFn | None = None,
+        server_data: Dataset[Any] | None = None,
+        refine: RefineOptions | None = None,
         min_valid_replies: int | None = None,
         fedavg_baseline: bool = True,
         bn_recalibration: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
@@ -119,17 +144,29 @@ class MergeStrategy(FedAvg):
         **fedavg_options: Any,
     ) -> None:
         FedAvg.__init__(self, **fedavg_options)
+        check_model(model, aggregator.label)
         self.aggregator = aggregator
-        self.validate_fn = validate_fn
+        plan = plan_server_data(aggregator.label, model, server_data, refine, validate_fn, aggregator.describe,
+                                getattr(aggregator, "spec", None))
+        if plan.stage is not None and bn_recalibration is not None:
+            raise ValueError(f"{aggregator.label}: pass refine or bn_recalibration, not both (the refinement "
+                             "recalibrates BatchNorm on its fitting fold)")
+        stage: PostMergeStage | None = plan.stage
+        if bn_recalibration is not None:
+            stage = ModelMapStage(bn_recalibration, "BatchNorm recalibration")
+        self.validate_fn = plan.validate_fn
+        self.post_merge = stage
         min_valid = max(1, self.min_train_nodes) if min_valid_replies is None else min_valid_replies
         self.merger = RoundMerger(
             aggregator,
             buffers=tuple(buffers) if buffers is not None else buffers_of(model),
-            validate_fn=validate_fn,
+            validate_fn=plan.validate_fn,
             min_valid_replies=min_valid,
             fedavg_baseline=fedavg_baseline,
-            post_merge=bn_recalibration,
+            post_merge=stage,
         )
+        self.plan = f"{aggregator.label}: {plan.describe}"
+        """What the strategy will do with what it was given, in words (logged by :meth:`summary`)."""
         self.server_metrics: dict[int, MetricRecord] = {}
         self._broadcast: Model | None = None
         self._sent: list[Message] = []
@@ -161,8 +198,8 @@ class MergeStrategy(FedAvg):
     # -- Flower hooks ------------------------------------------------------------------------
 
     def summary(self) -> None:
-        """Log the aggregator's configuration, then FedAvg's summary."""
-        log(INFO, "\t├──> %s: %s", self.aggregator.label, self.aggregator.config())
+        """Log what the strategy will do (in words), then FedAvg's summary."""
+        log(INFO, "\t├──> %s", self.plan)
         super().summary()
 
     def configure_train(

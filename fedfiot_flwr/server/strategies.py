@@ -7,86 +7,60 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from logging import INFO
 from typing import TYPE_CHECKING, Any
 
-from flwr.supercore import log
-
 from fedfiot_flwr.merge import PermutationSpec, spec_from_module
+from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.shell import MergeStrategy, ValidateFn
+from fedfiot_flwr.server.shell import MergeStrategy, ValidateFn, check_model
 
 if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-__all__ = ["FedFiOT", "FedFisherStrategy", "RegMeanStrategy", "fedfiot_aggregator", "resolve_config"]
-
-
-def resolve_config(config: FedFiOTConfig, has_validation: bool, label: str = "FedFiOT",
-                   has_server_data: bool = False) -> FedFiOTConfig:
-    """The configuration that will run; says once (at construction) what changes without validation
-    data, or without the labelled server data the refinement needs."""
-    if has_validation:
-        if config.refine is not None and not has_server_data:
-            log(INFO, "%s config %r with a validate_fn but no server_data: no server refinement (pass "
-                "server_data=<labelled Dataset> instead of validate_fn to refine every merge)", label, config.name)
-        return config.with_server_data(has_server_data)
-    notice = config.describe_without_validation()
-    if notice:
-        log(INFO, "%s", notice)
-    return config.without_validation()
+__all__ = ["FedFiOT", "FedFisherStrategy", "RegMeanStrategy", "fedfiot_aggregator"]
 
 
 def fedfiot_aggregator(
     spec: PermutationSpec | None,
     model: torch.nn.Module | None,
     config: FedFiOTConfig | None,
-    validate_fn: ValidateFn | None,
-    server_data: Dataset[Any] | None,
+    has_validation: bool,
+    refining: bool,
     label: str = "FedFiOT",
-) -> tuple[PermutationSpec, FedFiOTConfig, FedFiOTAggregator, ValidateFn | None]:
-    """The spec, resolved configuration, aggregator and selection ``validate_fn`` of a FedFiOT strategy.
+) -> FedFiOTAggregator:
+    """FedFiOT's aggregator with the configuration that runs given what the server holds.
 
-    With ``server_data`` and a refining configuration, the data is split into a fitting and a
-    selection fold (:class:`~fedfiot_flwr.server.refinement.ServerRefinement`) and ``validate_fn``
-    sees the selection fold only; without refinement ``validate_fn`` scores all of it.
+    Parameters
+    ----------
+    spec : PermutationSpec, optional
+        Derived from ``model`` when omitted.
+    model : torch.nn.Module, optional
+        The architecture.
+    config : FedFiOTConfig, optional
+        Default :meth:`FedFiOTConfig.default`; resolved by :meth:`FedFiOTConfig.for_server`.
+    has_validation, refining : bool
+        Whether the server has examples to choose on, and whether a refinement follows the merge.
 
     Raises
     ------
     ValueError
-        Without a spec or model, with both ``validate_fn`` and ``server_data``, or with
-        ``server_data`` but no ``model``.
+        Without a spec or model.
+    TypeError
+        When ``config`` is not a :class:`FedFiOTConfig` or ``model`` not a torch module.
     """
+    check_model(model, label)
+    if config is not None and not isinstance(config, FedFiOTConfig):
+        raise TypeError(f"{label}: config must be a FedFiOTConfig (e.g. FedFiOTConfig.default(rho=0.3)), "
+                        f"got {type(config).__name__}")
     if spec is None and model is not None:
         spec = spec_from_module(model)
     if spec is None:
         raise ValueError(f"{label} needs a permutation spec: pass model=<torch module> or spec=PermutationSpec(...)")
     requested = config if config is not None else FedFiOTConfig.default()
-    if server_data is not None:
-        if validate_fn is not None:
-            raise ValueError(f"{label}: pass either validate_fn or server_data, not both (with server_data the "
-                             "strategy builds its own validate_fn on the selection fold)")
-        if model is None:
-            raise ValueError(f"{label}: server_data needs model=<torch module> (the architecture to run it through)")
-    resolved = resolve_config(requested, validate_fn is not None or server_data is not None, label,
-                              server_data is not None)
-    refiner = None
-    if server_data is not None:
-        from torch.utils.data import DataLoader
-
-        from fedfiot_flwr.server.refinement import ServerRefinement
-        from fedfiot_flwr.validation import make_validate_fn
-
-        if resolved.refine is not None:
-            refiner = ServerRefinement(model, server_data, resolved.refine, spec=spec)  # type: ignore[arg-type]
-            validate_fn = refiner.validate_fn
-        else:
-            validate_fn = make_validate_fn(copy.deepcopy(model), DataLoader(server_data, batch_size=500))  # type: ignore[arg-type]
-    return spec, resolved, FedFiOTAggregator(spec, resolved, refiner), validate_fn
+    return FedFiOTAggregator(spec, requested.for_server(has_validation, refining))
 
 
 class FedFiOT(MergeStrategy):
@@ -102,15 +76,17 @@ class FedFiOT(MergeStrategy):
     model : torch.nn.Module, optional
         The architecture (gives the spec and the buffer names).
     config : FedFiOTConfig, optional
-        Merge options and selection; default :meth:`FedFiOTConfig.default`. Without
-        ``validate_fn`` it runs as :meth:`FedFiOTConfig.without_validation` (said once at start).
+        Merge options and selection; default :meth:`FedFiOTConfig.default`. Without server data
+        it runs as :meth:`FedFiOTConfig.without_validation` (the start-up line says so).
     validate_fn : callable, optional
         ``model dict -> metrics`` on held-out server data (:func:`fedfiot_flwr.validation.make_validate_fn`).
     server_data : torch Dataset, optional
-        Labelled ``(input, label)`` examples the server holds (instead of ``validate_fn``). With the
-        default configuration they are split into a fitting and a selection fold: the merge is
-        chosen on the selection fold, then refined on the fitting fold
-        (:class:`~fedfiot_flwr.server.refinement.ServerRefinement`). Needs ``model``.
+        Labelled ``(input, label)`` examples the server holds (instead of ``validate_fn``; needs
+        ``model``). They choose the merge's knobs; nothing is trained on them unless ``refine``
+        is given.
+    refine : RefineOptions, optional
+        Also fit the returned model on half of ``server_data``
+        (:class:`fedfiot_flwr.refine.RefinementStage`); the other half chooses.
     buffers : sequence of str, optional
         State-dict entries without a Fisher (default: ``model``'s non-parameters).
     min_valid_replies : int, optional
@@ -131,19 +107,21 @@ class FedFiOT(MergeStrategy):
         config: FedFiOTConfig | None = None,
         validate_fn: ValidateFn | None = None,
         server_data: Dataset[Any] | None = None,
+        refine: RefineOptions | None = None,
         buffers: Sequence[str] | None = None,
         min_valid_replies: int | None = None,
         fedavg_baseline: bool = True,
         **fedavg_options: Any,
     ) -> None:
         self.requested_config = config if config is not None else FedFiOTConfig.default()
-        spec, self.fedfiot_config, aggregator, validate_fn = fedfiot_aggregator(
-            spec, model, self.requested_config, validate_fn, server_data)
-        self.spec = spec
+        aggregator = fedfiot_aggregator(spec, model, config, validate_fn is not None or server_data is not None,
+                                        refine is not None)
+        self.fedfiot_config = aggregator.settings
+        self.spec = aggregator.spec
         super().__init__(
             aggregator,
-            model=model, buffers=buffers, validate_fn=validate_fn, min_valid_replies=min_valid_replies,
-            fedavg_baseline=fedavg_baseline, **fedavg_options,
+            model=model, buffers=buffers, validate_fn=validate_fn, server_data=server_data, refine=refine,
+            min_valid_replies=min_valid_replies, fedavg_baseline=fedavg_baseline, **fedavg_options,
         )
 
     def __repr__(self) -> str:
@@ -161,8 +139,8 @@ class FedFisherStrategy(MergeStrategy):
     steps, lr, eval_every, optimizer, fisher_scaling, damping, fisher_kind, selection_metric, device
         See :class:`~fedfiot_flwr.server.aggregators.FedFisherAggregator`.
     **options
-        :class:`~fedfiot_flwr.server.shell.MergeStrategy`'s options (``model``, ``validate_fn``,
-        ``min_valid_replies``, FedAvg's options).
+        :class:`~fedfiot_flwr.server.shell.MergeStrategy`'s options (``model``, ``validate_fn`` or
+        ``server_data``, ``refine``, ``min_valid_replies``, FedAvg's options).
     """
 
     def __init__(

@@ -3,7 +3,7 @@
 After alignment and aggregation the merged network's hidden activations drift away from the
 clients' (variance collapse, mean shift); the error compounds layer after layer. Two
 corrections, each applied layer by layer on activations the server computes on its own data
-(:mod:`fedfiot_flwr.server_refine` runs the models):
+(:mod:`fedfiot_flwr.refine.ops` runs the models):
 
 * **REPAIR** (Jordan et al., 2023): rescale each merged neuron so that its pre-activation
   mean and standard deviation match the (aligned) clients' average; folded into the weights

@@ -1,0 +1,304 @@
+"""The refinement's one entry point, :func:`refine_merged_model`: candidates fitted on one fold, chosen on another.
+
+From the aggregated model it builds candidates (least-squares refits at several ridges, REPAIR,
+both, distillation fine-tuning from the best of them, and optionally each client on its own),
+fits each on the fitting rows only, and returns the one with the best accuracy on the selection
+rows. By default the least-squares refits only choose where fine-tuning starts
+(``RefineOptions.offer_starts``). The two folds must hold disjoint examples: whatever fits
+parameters never selects. With ``RefineOptions.refit`` the chosen recipe is fitted once more on
+both folds, after the choice.
+
+Clients are put in the aggregated model's neuron order first (``permutations``, e.g.
+:attr:`fedfiot_flwr.merge.MergeResult.permutations`); an aggregator that does not align passes
+none and the clients are taken as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedfiot_flwr.batches import split_batch
+from fedfiot_flwr.merge.spec import PermutationSpec, apply_permutations
+from fedfiot_flwr.refine.finetune import distill_finetune
+from fedfiot_flwr.refine.ops import (
+    client_neuron_stats,
+    client_targets,
+    collect_fit,
+    example_weights,
+    layer_modules,
+    least_squares_refine,
+    load_state,
+    model_state,
+    recalibrate_batchnorm,
+    repair,
+)
+from fedfiot_flwr.refine.options import RefineOptions
+
+__all__ = ["RefineReport", "refine_merged_model"]
+
+Model = dict[str, np.ndarray]
+
+
+@dataclass
+class RefineReport:
+    """What :func:`refine_merged_model` tried and chose.
+
+    Attributes
+    ----------
+    chosen : str
+        Name of the returned candidate (``"merged"``, ``"repair"``, ``"ls-r0.01"``,
+        ``"repair+ls-r0.01"``, ``"client-3"``...).
+    selection_accuracy : dict[str, float]
+        Accuracy of every candidate on the selection fold.
+    fit_errors : dict[str, list[float]]
+        Per least-squares candidate, each layer's reconstruction MSE on the fitting rows
+        before and after its refit (``[before, after]`` per layer, flattened).
+    fit_examples, select_examples : int
+        Examples in each fold (fitting rows before augmentation).
+    refit_examples : int
+        Examples the returned candidate was refitted on (both folds; 0 when not refitted).
+    seconds : float
+        Wall time of the whole refinement (all candidates).
+    candidates : dict[str, dict]
+        Every candidate model, with ``options.keep_candidates`` (else empty).
+    """
+
+    chosen: str
+    selection_accuracy: dict[str, float] = field(default_factory=dict)
+    fit_errors: dict[str, list[float]] = field(default_factory=dict)
+    fit_examples: int = 0
+    select_examples: int = 0
+    refit_examples: int = 0
+    seconds: float = 0.0
+    candidates: dict[str, Model] = field(default_factory=dict)
+
+
+def _accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
+    correct = seen = 0
+    model.eval()
+    with torch.no_grad():
+        for b in loader:
+            x, y = split_batch(b)
+            correct += int((model(x.float()).argmax(1) == y).sum())
+            seen += int(y.shape[0])
+    if seen == 0:
+        raise ValueError("the refinement's selection loader yields no examples")
+    return correct / seen
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How a refined candidate is built from the merge: REPAIR, then least squares, then fine-tuning."""
+
+    repair: bool = False
+    ridge: float | None = None
+    epochs: int = 0
+
+
+@dataclass
+class _FitData:
+    """The rows a candidate is fitted on (one fold, or both folds for the refit)."""
+
+    batches: list[torch.Tensor]
+    targets: list[dict[str, torch.Tensor]]
+    ft_batches: list[torch.Tensor]
+    ft_labels: torch.Tensor
+    teacher: list[torch.Tensor]
+    stats: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+
+
+def _fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence[Model], layers: Sequence[tuple[str, nn.Module]],
+              options: RefineOptions, num_examples: Sequence[int] | None) -> _FitData:
+    """Everything fitted candidates need from ``rows``: layer targets and the fine-tuning teacher."""
+    batches, labels = collect_fit(rows, 0, options.seed)
+    row_weights = example_weights(model, aligned, batches, labels, options.target_weights, num_examples)
+    targets = client_targets(model, aligned, row_weights, layers, batches)
+    ft_batches, ft_labels = batches, labels
+    teacher: list[torch.Tensor] = []
+    if options.finetune_epochs > 0:
+        # Fine-tuning rows: the fitting rows plus their augmented copies; teacher = the
+        # label-weighted (or plain) mean of the aligned clients' logits on the same rows.
+        ft_batches, ft_labels = collect_fit(rows, options.augment_copies, options.seed)
+        ft_weights = example_weights(model, aligned, ft_batches, ft_labels, options.target_weights, num_examples)
+        teacher = [t[layers[-1][0]] for t in client_targets(model, aligned, ft_weights, layers[-1:], ft_batches)]
+    return _FitData(batches, targets, ft_batches, torch.cat(ft_labels), teacher)
+
+
+def refine_merged_model(
+    merged: Mapping[str, np.ndarray],
+    clients: Sequence[Mapping[str, np.ndarray]],
+    model: nn.Module,
+    fit_loader: Iterable[Any],
+    select_loader: Iterable[Any],
+    spec: PermutationSpec | None = None,
+    permutations: Mapping[str, Sequence[np.ndarray]] | None = None,
+    num_examples: Sequence[int] | None = None,
+    options: RefineOptions = RefineOptions(),
+    log: Callable[[str], None] | None = None,
+) -> tuple[Model, RefineReport]:
+    """Refine a merged model on server data and return the best candidate on the selection fold.
+
+    Parameters
+    ----------
+    merged : dict[str, np.ndarray]
+        The merged model (state-dict keys of ``model``).
+    clients : sequence of dict
+        The clients' uploaded models (dequantized), in the merge's client order.
+    model : nn.Module
+        A module of the architecture (its weights are overwritten; used as scratch).
+    fit_loader, select_loader : iterable of (x, y) batches
+        Disjoint folds of the server's data: the first fits every candidate's parameters,
+        the second only scores the candidates (and, with ``options.refit``, joins the
+        first for the chosen recipe's final fit, after the choice is made).
+    spec, permutations : optional
+        The merge's permutation spec and ``MergeResult.permutations`` (client ``k``'s
+        permutation of each hidden layer); without them the clients are taken as they are
+        (identity alignment).
+    num_examples : sequence of int, optional
+        Client sizes (for ``options.target_weights == "size"``).
+    options : RefineOptions
+        Candidates and data knobs.
+    log : callable, optional
+        Progress lines.
+
+    Returns
+    -------
+    tuple
+        ``(model dict, RefineReport)``; the merge itself is a candidate, so a refinement that
+        does not help on the selection fold is not applied.
+
+    Raises
+    ------
+    ValueError
+        On missing tensors, permutations that do not match ``clients``, empty folds or
+        non-finite activations (the message names the client or layer).
+    """
+    start = time.perf_counter()
+    if not clients:
+        raise ValueError("refine_merged_model needs at least one client model")
+    aligned: list[Model] = []
+    for k, c in enumerate(clients):
+        missing = [n for n in merged if n not in c]
+        if missing:
+            raise ValueError(f"client {k}: upload lacks tensors {missing[:5]}")
+        if permutations and spec is not None:
+            perms = {}
+            for p, per_client in permutations.items():
+                if len(per_client) != len(clients):
+                    raise ValueError(f"permutation {p!r} has {len(per_client)} entries for {len(clients)} clients")
+                perms[p] = np.asarray(per_client[k])
+            aligned.append(apply_permutations(dict(c), spec, perms))
+        else:
+            aligned.append({n: np.asarray(v) for n, v in c.items()})
+    if options.target_weights == "size" and (num_examples is None or len(num_examples) != len(clients)):
+        raise ValueError("target_weights='size' needs num_examples for every client")
+    weights = [1.0 / len(clients)] * len(clients)  # REPAIR's statistics: plain client average
+    if options.target_weights == "size":
+        weights = [float(n) / float(sum(num_examples)) for n in num_examples]  # type: ignore[arg-type]
+
+    fit_rows = list(fit_loader)
+    if not fit_rows:
+        raise ValueError("the refinement's fitting loader yields no examples")
+    layers = layer_modules(model, split_batch(fit_rows[0])[0].float())
+    data = _fit_data(fit_rows, model, aligned, layers, options, num_examples)
+    select_rows = list(select_loader)
+    select_batches = [(x.float(), y) for x, y in map(split_batch, select_rows)]
+    report = RefineReport(chosen="merged", fit_examples=sum(len(b) for b in data.batches),
+                          select_examples=sum(len(y) for _, y in select_batches))
+    # REPAIR's client statistics need their own forward passes: a second copy of the module,
+    # so that the candidate being built is not overwritten; computed once per data, on first use.
+    model_scratch = copy.deepcopy(model)
+    layers_scratch = [(n, dict(model_scratch.named_modules())[n]) for n, _ in layers]
+
+    def build(recipe: _Recipe, on: _FitData, label: str | None = None) -> Iterable[tuple[int, Model]]:
+        """``(epochs, state)`` of the recipe on ``on``: the state before fine-tuning, then its checkpoints."""
+        load_state(model, merged)
+        recalibrate_batchnorm(model, on.batches)
+        if recipe.repair:
+            if on.stats is None:
+                on.stats = client_neuron_stats(model_scratch, aligned, weights, layers_scratch, on.batches)
+            repair(model, layers, on.batches, on.stats)
+            recalibrate_batchnorm(model, on.batches)
+        if recipe.ridge is not None:
+            errors = least_squares_refine(model, layers, on.batches, on.targets, recipe.ridge)
+            if label is not None:
+                report.fit_errors[label] = errors
+            recalibrate_batchnorm(model, on.batches)
+        yield 0, model_state(model)
+        if recipe.epochs > 0:
+            yield from distill_finetune(model, on.ft_batches, on.ft_labels, on.teacher, options,
+                                        stop_after=recipe.epochs)
+
+    recipes: dict[str, _Recipe] = {"repair": _Recipe(repair=True)} if options.repair else {}
+    for r in options.ridges:
+        recipes[f"ls-r{r:g}"] = _Recipe(ridge=r)
+        if options.repair:
+            recipes[f"repair+ls-r{r:g}"] = _Recipe(repair=True, ridge=r)
+
+    best: tuple[float, str, Model] = (-math.inf, "", {})
+
+    def offer(name: str, state: Model) -> None:
+        nonlocal best
+        if report.selection_accuracy[name] > best[0]:
+            best = (report.selection_accuracy[name], name, state)
+
+    def consider(name: str, state: Model, offered: bool = True) -> None:
+        acc = _accuracy(load_state(model, state), select_batches)
+        report.selection_accuracy[name] = acc
+        if options.keep_candidates:
+            report.candidates[name] = state
+        if log:
+            log(f"    refine candidate {name:18s} selection acc {100 * acc:5.1f}%" + ("" if offered else " (start only)"))
+        if offered:
+            offer(name, state)
+
+    consider("merged", dict(merged))
+    offer_starts = options.offer_starts or options.finetune_epochs <= 0
+    for name, recipe in recipes.items():
+        consider(name, next(iter(build(recipe, data, name)))[1], offered=offer_starts)
+    if options.finetune_epochs > 0:
+        # One start: the merge or the best least-squares/REPAIR candidate, whichever scores
+        # better on the selection fold; its checkpoints are candidates.
+        start_name = max(recipes, key=lambda n: report.selection_accuracy[n], default="merged")
+        if report.selection_accuracy.get(start_name, -1.0) <= report.selection_accuracy["merged"]:
+            start_name = "merged"
+        start_recipe = replace(recipes.get(start_name, _Recipe()), epochs=options.finetune_epochs)
+        tuned = False
+        for epoch, state in build(start_recipe, data):
+            if epoch == 0:
+                start_state = state  # the start itself, before any step
+            else:
+                name = f"ft{epoch}({start_name})"
+                recipes[name] = replace(start_recipe, epochs=epoch)
+                consider(name, state)
+                tuned = True
+        if not tuned and not offer_starts and start_name != "merged":
+            # The fine-tuning diverged at once: the best start (the merge is already offered) competes after all.
+            offer(start_name, start_state)
+    if options.client_candidates:
+        for k, c in enumerate(clients):
+            consider(f"client-{k}", {n: np.asarray(v) for n, v in c.items()})
+    report.chosen, chosen_model = best[1], best[2]
+    if options.refit and report.chosen in recipes:
+        # The choice is made; refit its recipe on both folds (as a grid search refits its winner).
+        both = _fit_data(fit_rows + select_rows, model, aligned, layers, options, num_examples)
+        recipe = recipes[report.chosen]
+        for epoch, state in build(recipe, both):
+            if epoch == recipe.epochs:
+                chosen_model = state
+                report.refit_examples = sum(len(b) for b in both.batches)
+    report.seconds = time.perf_counter() - start
+    dtypes = {k: np.asarray(v).dtype for k, v in merged.items()}
+    return {k: np.asarray(v).astype(dtypes[k]) for k, v in chosen_model.items()}, report

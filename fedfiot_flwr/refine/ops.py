@@ -1,0 +1,335 @@
+"""The refinement's torch operations: run models on server data and correct a merged model's layers.
+
+Forward hooks capture layer inputs and outputs; :func:`least_squares_refine` and :func:`repair`
+hand the linear algebra to :mod:`fedfiot_flwr.refine.linalg`. Clients are expected in the merged
+model's neuron order (aligned first), so "the mean of the clients' outputs" compares the same
+neuron across clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfiot_flwr.batches import split_batch
+from fedfiot_flwr.batchnorm import has_batchnorm, recompute_batchnorm_statistics
+from fedfiot_flwr.refine.linalg import LayerMoments, NeuronStats, reconstruction_error, repair_rescale, ridge_refit
+
+__all__ = [
+    "Capture",
+    "augment_inputs",
+    "client_neuron_stats",
+    "client_targets",
+    "collect_fit",
+    "example_weights",
+    "layer_modules",
+    "least_squares_refine",
+    "load_state",
+    "model_state",
+    "recalibrate_batchnorm",
+    "repair",
+]
+
+Model = dict[str, np.ndarray]
+
+
+# --------------------------------------------------------------------------------- models
+
+
+def load_state(model: nn.Module, state: Mapping[str, np.ndarray]) -> nn.Module:
+    """Load a numpy state dict into ``model`` (each tensor cast to the model's dtype); returns ``model``."""
+    ref = model.state_dict()
+    missing = [k for k in ref if k not in state]
+    if missing:
+        raise ValueError(f"state lacks tensors {missing[:5]} of the model")
+    model.load_state_dict({k: torch.as_tensor(np.asarray(state[k])).to(ref[k].dtype) for k in ref})
+    return model
+
+
+def model_state(model: nn.Module) -> Model:
+    """A copy of ``model``'s state dict as numpy arrays."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def layer_modules(model: nn.Module, example: torch.Tensor) -> list[tuple[str, nn.Module]]:
+    """The model's ``nn.Linear`` / ``nn.Conv2d`` layers in the order the forward pass calls them.
+
+    Raises
+    ------
+    ValueError
+        For a grouped convolution or a layer called more than once per forward.
+    """
+    order: list[str] = []
+    named = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+    handles = [m.register_forward_hook(lambda mod, a, o, n=n: order.append(n)) for n, m in named.items()]
+    try:
+        with torch.no_grad():
+            model.eval()
+            model(example[:1])
+    finally:
+        for h in handles:
+            h.remove()
+    if len(order) != len(set(order)):
+        raise ValueError("refinement needs every Linear/Conv2d layer called once per forward")
+    for n in order:
+        if isinstance(named[n], nn.Conv2d) and named[n].groups != 1:
+            raise ValueError(f"layer {n!r}: grouped convolutions are not supported by the refinement")
+    return [(n, named[n]) for n in order]
+
+
+def input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A layer's input as least-squares rows ``(rows, fan_in [+1])`` (bias column last)."""
+    if isinstance(module, nn.Conv2d):
+        cols = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)  # (B, C*k*k, L)
+        r = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    else:
+        r = x.reshape(-1, x.shape[-1])
+    if module.bias is not None:
+        r = torch.cat([r, torch.ones(r.shape[0], 1, dtype=r.dtype)], dim=1)
+    return r
+
+
+def output_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """A layer's output as rows ``(rows, out)``, matching :func:`input_rows`."""
+    if isinstance(module, nn.Conv2d):
+        return y.flatten(2).transpose(1, 2).reshape(-1, y.shape[1])
+    return y.reshape(-1, y.shape[-1])
+
+
+def flat_weight(module: nn.Module) -> np.ndarray:
+    w = module.weight.detach().double().reshape(module.weight.shape[0], -1).numpy()
+    if module.bias is not None:
+        w = np.concatenate([w, module.bias.detach().double().numpy()[:, None]], axis=1)
+    return w
+
+
+def setflat_weight(module: nn.Module, w: np.ndarray) -> None:
+    with torch.no_grad():
+        if module.bias is not None:
+            module.bias.copy_(torch.as_tensor(w[:, -1]))
+            w = w[:, :-1]
+        module.weight.copy_(torch.as_tensor(w).reshape(module.weight.shape))
+
+
+class Capture:
+    """Forward hooks recording chosen layers' inputs and outputs."""
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]], inputs: bool, outputs: bool) -> None:
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.outputs: dict[str, torch.Tensor] = {}
+        self._handles = []
+        for name, mod in layers:
+            def hook(m: nn.Module, a: tuple[Any, ...], o: torch.Tensor, name: str = name) -> None:
+                if inputs:
+                    self.inputs[name] = a[0].detach()
+                if outputs:
+                    self.outputs[name] = o.detach()
+            self._handles.append(mod.register_forward_hook(hook))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+# --------------------------------------------------------------------------------- data
+
+
+def augment_inputs(x: torch.Tensor, copies: int, generator: torch.Generator) -> torch.Tensor:
+    """``x`` followed by ``copies`` label-preserving augmented copies.
+
+    Images ``(B, C, H, W)``: a random shift of up to 2 pixels per copy and a horizontal flip of
+    a random half of the examples; other inputs: Gaussian noise of 5% of the input's std.
+    Copy ``j`` of example ``i`` is row ``(j + 1) * B + i`` and keeps example ``i``'s label.
+    """
+    if copies <= 0:
+        return x
+    out = [x]
+    for _ in range(copies):
+        z = x.clone()
+        if z.ndim == 4:
+            dx, dy = (int(v) for v in torch.randint(-2, 3, (2,), generator=generator))
+            z = torch.roll(z, shifts=(dy, dx), dims=(2, 3))
+            flip = torch.rand(z.shape[0], generator=generator) < 0.5
+            z[flip] = z[flip].flip(3)
+        else:
+            z = z + 0.05 * float(x.std()) * torch.randn(z.shape, generator=generator)
+        out.append(z)
+    return torch.cat(out)
+
+
+def collect_fit(loader: Iterable[Any], copies: int, seed: int,
+                 batch: int = 500) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The fitting rows (augmented) in batches, and their labels in the same batches."""
+    xs, ys = [], []
+    for b in loader:
+        x, y = split_batch(b)
+        xs.append(x.float())
+        ys.append(y.long())
+    if not xs:
+        raise ValueError("the refinement's fitting loader yields no examples")
+    x = augment_inputs(torch.cat(xs), copies, torch.Generator().manual_seed(seed))
+    y = torch.cat(ys).repeat(1 + max(copies, 0))
+    return list(torch.split(x, batch)), list(torch.split(y, batch))
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def example_weights(
+    model: nn.Module, clients: Sequence[Model], batches: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
+    mode: str, sizes: Sequence[float] | None,
+) -> list[list[torch.Tensor]]:
+    """Per client and batch, each row's weight in the target average (rows sum to 1 over clients).
+
+    ``"uniform"``: 1/K; ``"size"``: n_k / n; ``"label"``: client k's probability of the row's
+    true label, normalised over clients (a client is trusted where it knows the class: under
+    a non-IID split a client's features of classes it never saw are noise).
+    """
+    k = len(clients)
+    if mode == "uniform":
+        return [[torch.full((len(x),), 1.0 / k) for x in batches] for _ in clients]
+    if mode == "size":
+        assert sizes is not None
+        tot = float(sum(sizes))
+        return [[torch.full((len(x),), float(n) / tot) for x in batches] for n in sizes]
+    probs: list[list[torch.Tensor]] = []
+    with torch.no_grad():
+        for client in clients:
+            load_state(model, client).eval()
+            probs.append([torch.softmax(model(x), 1).gather(1, y[:, None]).squeeze(1) + 1e-3
+                          for x, y in zip(batches, labels)])
+    totals = [sum(p[i] for p in probs) for i in range(len(batches))]
+    return [[p[i] / totals[i] for i in range(len(batches))] for p in probs]
+
+
+def client_targets(
+    model: nn.Module, clients: Sequence[Model], weights: Sequence[Sequence[torch.Tensor]],
+    layers: Sequence[tuple[str, nn.Module]], batches: Sequence[torch.Tensor],
+) -> list[dict[str, torch.Tensor]]:
+    """Per batch and layer, the weighted mean of the (aligned) clients' layer outputs (per-row weights)."""
+    targets: list[dict[str, torch.Tensor]] = [{} for _ in batches]
+    cap = Capture(layers, inputs=False, outputs=True)
+    try:
+        with torch.no_grad():
+            for client, wk in zip(clients, weights):
+                load_state(model, client).eval()
+                for i, x in enumerate(batches):
+                    model(x)
+                    for name, _ in layers:
+                        out = cap.outputs[name]
+                        y = out * wk[i].reshape((-1,) + (1,) * (out.ndim - 1))
+                        targets[i][name] = y if name not in targets[i] else targets[i][name] + y
+    finally:
+        cap.close()
+    return targets
+
+
+def client_neuron_stats(
+    model: nn.Module, clients: Sequence[Model], weights: Sequence[float], layers: Sequence[tuple[str, nn.Module]],
+    batches: Sequence[torch.Tensor],
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per layer, the weighted mean over clients of each neuron's pre-activation mean and std."""
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    cap = Capture(layers, inputs=False, outputs=True)
+    try:
+        with torch.no_grad():
+            for client, wk in zip(clients, weights):
+                load_state(model, client).eval()
+                stats = {name: NeuronStats(mod.weight.shape[0]) for name, mod in layers}
+                for x in batches:
+                    model(x)
+                    for name, mod in layers:
+                        stats[name].add(output_rows(mod, cap.outputs[name]).double().numpy())
+                for name, s in stats.items():
+                    m, sd = out.get(name, (0.0, 0.0))
+                    out[name] = (m + wk * s.mean, sd + wk * s.std)
+    finally:
+        cap.close()
+    return out
+
+
+# ----------------------------------------------------------------------------- corrections
+
+
+def repair(
+    model: nn.Module, layers: Sequence[tuple[str, nn.Module]], batches: Sequence[torch.Tensor],
+    targets: Mapping[str, tuple[np.ndarray, np.ndarray]], include_last: bool = False,
+) -> None:
+    """REPAIR in place: layer by layer, match each neuron's pre-activation mean/std to ``targets``.
+
+    The merged model's statistics are measured on ``batches`` after the earlier layers were
+    corrected (so each layer sees the inputs it will get). The last layer (logits) is left
+    alone unless ``include_last``.
+    """
+    todo = list(layers) if include_last else list(layers)[:-1]
+    model.eval()
+    for name, mod in todo:
+        cap = Capture([(name, mod)], inputs=False, outputs=True)
+        stats = NeuronStats(mod.weight.shape[0])
+        try:
+            with torch.no_grad():
+                for x in batches:
+                    model(x)
+                    stats.add(output_rows(mod, cap.outputs[name]).double().numpy())
+        finally:
+            cap.close()
+        w, b = repair_rescale(mod.weight.detach().double().numpy(),
+                              None if mod.bias is None else mod.bias.detach().double().numpy(),
+                              stats, *targets[name])
+        with torch.no_grad():
+            mod.weight.copy_(torch.as_tensor(w))
+            if b is not None:
+                mod.bias.copy_(torch.as_tensor(b))
+
+
+def least_squares_refine(
+    model: nn.Module, layers: Sequence[tuple[str, nn.Module]], batches: Sequence[torch.Tensor],
+    targets: Sequence[Mapping[str, torch.Tensor]], ridge: float,
+) -> list[float]:
+    """Least-squares refinement in place, layer by layer in forward order.
+
+    For each layer, accumulate the merged model's inputs to it (after the earlier layers were
+    refitted) against ``targets`` (the clients' mean outputs, per batch), then replace its
+    weights by :func:`fedfiot_flwr.refine.linalg.ridge_refit` with ``ridge``.
+
+    Returns
+    -------
+    list[float]
+        ``[before, after]`` reconstruction MSE of every layer on the fitting rows.
+    """
+    errors: list[float] = []
+    model.eval()
+    for name, mod in layers:
+        w0 = flat_weight(mod)
+        moments = LayerMoments(w0.shape[1], w0.shape[0])
+        cap = Capture([(name, mod)], inputs=True, outputs=False)
+        try:
+            with torch.no_grad():
+                for x, tgt in zip(batches, targets):
+                    model(x)
+                    moments.add(input_rows(mod, cap.inputs[name]).double().numpy(),
+                                output_rows(mod, tgt[name]).double().numpy())
+        finally:
+            cap.close()
+        w = ridge_refit(moments, w0, ridge)
+        errors += [reconstruction_error(moments, w0), reconstruction_error(moments, w)]
+        setflat_weight(mod, w)
+    return errors
+
+
+def recalibrate_batchnorm(model: nn.Module, batches: Sequence[torch.Tensor]) -> bool:
+    """Recompute every BatchNorm's running mean/var on ``batches`` (cumulative average) and leave
+    ``model`` in eval mode; False when it has no BatchNorm that tracks statistics.
+
+    A thin wrapper of :func:`fedfiot_flwr.batchnorm.recompute_batchnorm_statistics`.
+    """
+    if not has_batchnorm(model):
+        return False
+    recompute_batchnorm_statistics(model, batches)
+    model.eval()
+    return True

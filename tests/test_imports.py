@@ -1,0 +1,41 @@
+"""The layers as imports: the server side loads neither torch nor client code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SERVER_IMPORTS = """
+import json, sys
+import fedfiot_flwr.server
+from fedfiot_flwr.server.config import FedFiOTConfig
+from fedfiot_flwr import FedFiOT, FedFiOTLegacy, RefineOptions, SweepGrid
+FedFiOTConfig.default(rho=0.3); RefineOptions(finetune_epochs=3)
+print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "fedfiot_flwr")))))
+"""
+
+
+def test_importing_the_server_loads_neither_torch_nor_client_code() -> None:
+    out = subprocess.run([sys.executable, "-c", SERVER_IMPORTS], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert "torch" not in loaded
+    client_side = {"fedfiot_flwr.client", "fedfiot_flwr.task", "fedfiot_flwr.fisher", "fedfiot_flwr.curvature",
+                   "fedfiot_flwr.data", "fedfiot_flwr.models"}
+    assert not loaded & client_side
+    assert "fedfiot_flwr.server.shell" in loaded  # the check ran on the real server modules
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("finetune_schedule", "cosin"), ("target_weights", "sizes"), ("finetune_epochs", -1), ("augment_copies", 1.5),
+     ("checkpoint_every", -2), ("finetune_lr", 0.0), ("temperature", float("nan")), ("distill_weight", 1.5),
+     ("ridges", (0.1, -1.0)), ("refit", "yes")],
+)
+def test_refine_options_refuse_bad_values_when_built(field: str, value: object) -> None:
+    from fedfiot_flwr import RefineOptions
+
+    with pytest.raises(ValueError, match=f"RefineOptions.{field} must be"):
+        RefineOptions(**{field: value})
