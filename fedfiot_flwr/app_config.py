@@ -3,18 +3,25 @@
 One frozen dataclass, :class:`AppConfig`, parses Flower's flat run config (kebab-case keys,
 values str/int/float/bool) with defaults and checks every value, so the ServerApp and the
 ClientApp read the same knobs the same way. Lists (the sweep grid) are comma-separated strings,
-because Flower's run config holds scalars only.
+because Flower's run config holds scalars only. Every key has a :class:`Rule` (:func:`rules`);
+all bad values of a config are reported at once, before any round, in one ``ValueError`` that
+names each key, its value and what is allowed.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from .merge import FISHER_SCALINGS
+from .merge.validate import AGGREGATIONS, MATCHINGS
+from .models import MODEL_NAMES, is_model_name
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +63,175 @@ def parse_str_list(text: str | Sequence[str], name: str) -> tuple[str, ...]:
     if not items:
         raise ValueError(f"{name}: expected at least one value, got {text!r}")
     return tuple(items)
+
+
+def _one_of(names: Sequence[str]) -> str:
+    return "one of " + ", ".join(names)
+
+
+def _numbers_within(text: Any, ok: Callable[[float], bool]) -> bool:
+    """Whether ``text`` is a non-empty comma-separated list of numbers that all pass ``ok``."""
+    values = parse_float_list(text, "")
+    return all(math.isfinite(v) and ok(v) for v in values)
+
+
+def _names_within(text: Any, allowed: Sequence[str]) -> bool:
+    """Whether ``text`` is a non-empty comma-separated list of names from ``allowed``."""
+    return all(name in allowed for name in parse_str_list(text, ""))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one run-config key accepts.
+
+    Attributes
+    ----------
+    expected : str
+        The allowed values in words, for error messages (``"an integer >= 1"``).
+    ok : callable
+        ``value -> bool`` on the value parsed to the field's type; an ``AttributeError``,
+        ``TypeError`` or ``ValueError`` it raises counts as a rejection.
+    """
+
+    expected: str
+    ok: Callable[[Any], bool]
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``ok(value)`` holds (an exception in ``ok`` is a rejection)."""
+        try:
+            return bool(self.ok(value))
+        except (AttributeError, TypeError, ValueError):  # e.g. a number where a name belongs
+            return False
+
+
+@functools.cache
+def rules() -> dict[str, Rule]:
+    """The rule of every run-config key, by field name (built once, on the first check)."""
+    # Imported here, not with this module: the data layer pulls in torchvision.
+    from .data.loaders import DATASET_NAMES, canonical_name
+
+    positive = "a number > 0"
+    return {
+        "dataset": Rule(_one_of(DATASET_NAMES), lambda v: canonical_name(v) in DATASET_NAMES),
+        "data_root": Rule("a directory path, or empty (the data layer's default)", lambda v: isinstance(v, str)),
+        "model": Rule(_one_of(MODEL_NAMES) + " (resnet20-w<N> for width N)", is_model_name),
+        "num_partitions": Rule("an integer >= 1, or 0 to follow the federation", lambda v: v >= 0),
+        "alpha": Rule(positive, lambda v: math.isfinite(v) and v > 0),
+        "partition_seed": Rule("an integer >= 0", lambda v: v >= 0),
+        "validation_size": Rule("an integer >= 0", lambda v: v >= 0),
+        "augment": Rule("true or false", lambda v: isinstance(v, bool)),
+        "local_epochs": Rule("an integer >= 1", lambda v: v >= 1),
+        "batch_size": Rule("an integer >= 1", lambda v: v >= 1),
+        "lr": Rule(positive, lambda v: math.isfinite(v) and v > 0),
+        "seed": Rule("an integer >= 0", lambda v: v >= 0),
+        "init": Rule(_one_of(INITS), lambda v: v in INITS),
+        "num_server_rounds": Rule("an integer >= 1", lambda v: v >= 1),
+        "fraction_train": Rule("a number in (0, 1]", lambda v: 0 < v <= 1),
+        "fraction_evaluate": Rule("a number in [0, 1]", lambda v: 0 <= v <= 1),
+        "min_valid_replies": Rule("an integer >= 1", lambda v: v >= 1),
+        "node_wait_s": Rule("a number of seconds >= 0", lambda v: v >= 0),
+        "node_settle_s": Rule("a number of seconds >= 0", lambda v: v >= 0),
+        "lam": Rule(positive, lambda v: math.isfinite(v) and v > 0),
+        "rho": Rule("a number in (0, 1]", lambda v: 0 < v <= 1),
+        "max_iters": Rule("an integer >= 1", lambda v: v >= 1),
+        "reference": Rule(_one_of(REFERENCES) + " or a client index (0, 1, ...)",
+                          lambda v: v in REFERENCES or re.fullmatch(r"\d+", v) is not None),
+        "matching": Rule(_one_of(MATCHINGS), lambda v: v in MATCHINGS),
+        "aggregation": Rule(_one_of(AGGREGATIONS), lambda v: v in AGGREGATIONS),
+        "fisher_scaling": Rule(_one_of(FISHER_SCALINGS), lambda v: v in FISHER_SCALINGS),
+        "preset": Rule(_one_of(PRESETS), lambda v: v in PRESETS),
+        "fallback": Rule(_one_of(FALLBACKS) + ", or empty (the preset's)", lambda v: v == "" or v in FALLBACKS),
+        "sweep": Rule("true or false", lambda v: isinstance(v, bool)),
+        "server_refine": Rule("true or false", lambda v: isinstance(v, bool)),
+        "sweep_rho": Rule("comma-separated numbers in (0, 1], e.g. '0.3,0.5'",
+                          lambda v: _numbers_within(v, lambda x: 0 < x <= 1)),
+        "sweep_lam": Rule("comma-separated numbers > 0, e.g. '1e-3,1e-4'",
+                          lambda v: _numbers_within(v, lambda x: x > 0)),
+        "sweep_reference": Rule("comma-separated names from: " + ", ".join(REFERENCES),
+                                lambda v: _names_within(v, REFERENCES)),
+        "sweep_fisher_scaling": Rule("comma-separated names from: " + ", ".join(FISHER_SCALINGS)
+                                     + ", or empty (the preset's)",
+                                     lambda v: v == "" or _names_within(v, FISHER_SCALINGS)),
+        "strategy": Rule(_one_of(STRATEGIES), lambda v: v in STRATEGIES),
+        "fisher_kind": Rule(_one_of(FISHER_KINDS) + ", or empty (the strategy's own)",
+                            lambda v: v == "" or v in FISHER_KINDS),
+        "fedfisher_steps": Rule("an integer >= 0", lambda v: v >= 0),
+        "results_dir": Rule("a directory path", lambda v: isinstance(v, str)),
+        "run_name": Rule("a name, or empty (derived from the settings and the time)", lambda v: isinstance(v, str)),
+    }
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(value)
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(value)  # a bool is an int to Python, never to a user
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return int(value)
+    raise ValueError(value)
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(value)
+    return float(value)
+
+
+def _to_str(value: Any) -> str:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    return str(value)  # a client index may come as a TOML integer (reference=2)
+
+
+def parse_value(value: Any, like: Any) -> Any:
+    """``value`` (from TOML or the command line) as the type of ``like``, the field's default.
+
+    Raises
+    ------
+    ValueError
+        When ``value`` is not one (``"abc"`` for an integer, ``true`` for a number...).
+    """
+    for kind, parse in ((bool, _to_bool), (int, _to_int), (float, _to_float)):
+        if isinstance(like, kind):
+            return parse(value)
+    return _to_str(value)
+
+
+def problem(key: str, value: Any, shown: Any = None) -> str | None:
+    """Why run-config ``key`` cannot be ``value`` (parsed), or None when it can.
+
+    ``shown`` is the value as the user wrote it (default: ``value``).
+    """
+    rule = rules()[key.replace("-", "_")]
+    if rule.accepts(value):
+        return None
+    written = value if shown is None else shown
+    return f"{key.replace('_', '-')}={written!r}: expected {rule.expected}"
+
+
+def raise_problems(problems: Sequence[str | None]) -> None:
+    """Raise one ``ValueError`` listing every problem (``None`` entries are no problem).
+
+    Raises
+    ------
+    ValueError
+        ``run-config local-epochs='abc': expected an integer >= 1; alpha=-1: expected ...``.
+    """
+    found = [p for p in problems if p]
+    if found:
+        raise ValueError("run-config " + "; ".join(found))
 
 
 @dataclass(frozen=True)
@@ -150,82 +326,37 @@ class AppConfig:
     run_name: str = ""
 
     def __post_init__(self) -> None:
-        def bad(key: str, why: str) -> ValueError:
-            return ValueError(f"run config {key!r}: {why}, got {getattr(self, key.replace('-', '_'))!r}")
-
-        if self.num_partitions < 0:
-            raise bad("num-partitions", "must be >= 1, or 0 to follow the federation")
-        if self.node_wait_s < 0:
-            raise bad("node-wait-s", "must be >= 0")
-        if self.node_settle_s < 0:
-            raise bad("node-settle-s", "must be >= 0")
-        if not self.alpha > 0:
-            raise bad("alpha", "must be > 0")
-        if self.local_epochs < 1:
-            raise bad("local-epochs", "must be >= 1")
-        if self.batch_size < 1:
-            raise bad("batch-size", "must be >= 1")
-        if self.num_server_rounds < 1:
-            raise bad("num-server-rounds", "must be >= 1")
-        if not 0 < self.fraction_train <= 1:
-            raise bad("fraction-train", "must lie in (0, 1]")
-        if not 0 <= self.fraction_evaluate <= 1:
-            raise bad("fraction-evaluate", "must lie in [0, 1]")
-        if self.init not in INITS:
-            raise bad("init", f"must be one of {INITS}")
-        if self.fallback and self.fallback not in FALLBACKS:
-            raise bad("fallback", f"must be one of {FALLBACKS} or empty (the preset's)")
-        if self.preset not in PRESETS:
-            raise bad("preset", f"must be one of {PRESETS}")
-        if self.fisher_scaling not in FISHER_SCALINGS:
-            raise bad("fisher-scaling", f"must be one of {FISHER_SCALINGS}")
-        if not (self.reference in REFERENCES or re.fullmatch(r"\d+", self.reference)):
-            raise bad("reference", f"must be one of {REFERENCES} or a client index")
-        if self.min_valid_replies < 1:
-            raise bad("min-valid-replies", "must be >= 1")
-        if self.strategy not in STRATEGIES:
-            raise bad("strategy", f"must be one of {STRATEGIES}")
-        if self.fisher_kind and self.fisher_kind not in FISHER_KINDS:
-            raise bad("fisher-kind", f"must be one of {FISHER_KINDS} or empty (the strategy's own)")
-        if self.fedfisher_steps < 0:
-            raise bad("fedfisher-steps", "must be >= 0")
-        self.sweep_lists()  # validates the lists
+        raise_problems([problem(f.name, getattr(self, f.name)) for f in fields(self)])
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
-        """Build from Flower's ``context.run_config`` (unknown keys are rejected).
+        """Build from Flower's ``context.run_config``, checking every key before any round runs.
 
         Raises
         ------
         ValueError
-            For an unknown key or a value of the wrong type.
+            For unknown keys (with the closest known ones), or one error naming every key whose
+            value is of the wrong type or out of range, with the value and what is allowed:
+            ``run-config local-epochs='abc': expected an integer >= 1``.
         """
         known = {f.name.replace("_", "-"): f for f in fields(cls)}
         unknown = sorted(set(run_config) - set(known))
         if unknown:
-            raise ValueError(f"unknown run config keys {unknown}; known keys: {sorted(known)}")
+            hints = {k: difflib.get_close_matches(k, list(known), n=1) for k in unknown}
+            near = ", ".join(f"{m[0]!r} (for {k!r})" for k, m in hints.items() if m)
+            raise ValueError(f"unknown run config keys {unknown}{f' (did you mean {near}?)' if near else ''}; "
+                             f"known keys: {sorted(known)}")
         kwargs: dict[str, Any] = {}
-        defaults = cls()
-        for key, value in run_config.items():
+        problems: list[str | None] = []
+        for key, raw in run_config.items():
             f = known[key]
-            default = getattr(defaults, f.name)
             try:
-                if isinstance(default, bool):
-                    if isinstance(value, str):
-                        if value.lower() not in ("true", "false", "1", "0"):
-                            raise ValueError(value)
-                        value = value.lower() in ("true", "1")
-                    kwargs[f.name] = bool(value)
-                elif isinstance(default, int):
-                    if isinstance(value, float) and not value.is_integer():
-                        raise ValueError(value)
-                    kwargs[f.name] = int(value)
-                elif isinstance(default, float):
-                    kwargs[f.name] = float(value)
-                else:
-                    kwargs[f.name] = str(value)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"run config {key!r}: expected {type(default).__name__}, got {value!r}") from exc
+                kwargs[f.name] = parse_value(raw, f.default)
+            except ValueError:
+                problems.append(f"{key}={raw!r}: expected {rules()[f.name].expected}")
+                continue
+            problems.append(problem(key, kwargs[f.name], shown=raw))
+        raise_problems(problems)
         return cls(**kwargs)
 
     def with_partitions(self, num_partitions: int) -> AppConfig:
@@ -259,20 +390,13 @@ class AppConfig:
         return self.fisher_kind or ("empirical" if self.strategy == "fedfiot" else "true")
 
     def sweep_lists(self) -> dict[str, tuple[Any, ...] | None]:
-        """The ``sweep-*`` lists, parsed and checked (``fisher_scalings`` None: the preset's)."""
-        refs = parse_str_list(self.sweep_reference, "sweep-reference")
-        scalings = parse_str_list(self.sweep_fisher_scaling, "sweep-fisher-scaling") if self.sweep_fisher_scaling else None
-        for r in refs:
-            if r not in REFERENCES:
-                raise ValueError(f"run config 'sweep-reference': {r!r} is not one of {REFERENCES}")
-        for sc in scalings or ():
-            if sc not in FISHER_SCALINGS:
-                raise ValueError(f"run config 'sweep-fisher-scaling': {sc!r} is not one of {FISHER_SCALINGS}")
+        """The ``sweep-*`` lists, parsed (``fisher_scalings`` None: the preset's; checked on construction)."""
         return {
             "rhos": parse_float_list(self.sweep_rho, "sweep-rho"),
             "lams": parse_float_list(self.sweep_lam, "sweep-lam"),
-            "references": refs,
-            "fisher_scalings": scalings,
+            "references": parse_str_list(self.sweep_reference, "sweep-reference"),
+            "fisher_scalings": (parse_str_list(self.sweep_fisher_scaling, "sweep-fisher-scaling")
+                                if self.sweep_fisher_scaling else None),
         }
 
     def default_run_name(self) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import IO, Any
 
 #: SuperNodes of a launched federation when the run leaves K to the federation (the paper's K).
@@ -71,6 +73,89 @@ def _toml_value(value: Any) -> str:
 def run_config_arg(values: Mapping[str, Any]) -> str:
     """Format ``{"key": value}`` as one ``flwr run --run-config`` string (TOML values)."""
     return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
+
+
+#: One ``key=value`` pair of ``--run-config``, as Flower's own parser finds them.
+_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
+
+
+def parse_run_config(text: str) -> dict[str, Any]:
+    """Parse ``--run-config "key=value ..."`` as ``flwr run`` does, keeping a bare word as a string.
+
+    Each value is read as TOML (``5``, ``0.2``, ``true``, ``'text'``). Unlike Flower's parser,
+    a value that is not TOML (``local-epochs=abc``, ``dataset=cifar10``) is kept as the string
+    it reads as, so the app names the key and what it allows instead of a TOML error.
+
+    Raises
+    ------
+    ValueError
+        If part of ``text`` is not a ``key=value`` pair (it names that part).
+    """
+    stray = _PAIR.sub(" ", text).split()
+    if stray:
+        raise ValueError(f"--run-config: {' '.join(stray)!r} is not key=value (e.g. \"local-epochs=5 alpha=0.2\")")
+    return {key: _toml_or_word(value) for key, value in _PAIR.findall(text)}
+
+
+def _toml_or_word(value: str) -> Any:
+    """A run-config value read as TOML, or the word itself when it is not TOML."""
+    toml = _toml_module()
+    try:
+        return toml.loads(f"v = {value}")["v"]
+    except toml.TOMLDecodeError:
+        return value
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LOG_RECORD = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:")
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def app_error(log: str, max_lines: int = 10) -> str | None:
+    """The exception that ended the last traceback in ``log`` (``"ValueError: ..."``), or None.
+
+    Parameters
+    ----------
+    log : str
+        Output of ``flwr run --stream`` or a process log (colour codes are dropped).
+    max_lines : int
+        Most lines kept of a message that spans several (it ends at a blank line or a log record).
+    """
+    lines = _ANSI.sub("", log).splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == _TRACEBACK]
+    if not starts:
+        return None
+    after = lines[starts[-1] + 1:]
+    # The frames are indented; the exception is the first line that is not.
+    first = next((i for i, line in enumerate(after) if line and not line[0].isspace()), None)
+    if first is None:
+        return None
+    message = [after[first].rstrip()]
+    for line in after[first + 1:first + max_lines]:
+        if not line.strip() or _LOG_RECORD.match(line):
+            break
+        message.append(line.rstrip())
+    return "\n".join(message)
+
+
+def failure_message(results: Mapping[str, Any], logs: Sequence[str], results_path: Path) -> str:
+    """Why a run failed: the error its results file recorded, else the app's last exception in ``logs``.
+
+    Parameters
+    ----------
+    results : mapping
+        The run's ``results.json`` (empty when there is none).
+    logs : sequence of str
+        Texts to search, best first (``flwr run --stream`` output, then the SuperLink's log).
+    results_path : Path
+        Where the results file was expected (named when nothing else explains the failure).
+    """
+    if results.get("error"):
+        return str(results["error"])
+    for text in logs:
+        if error := app_error(text):
+            return f"the app raised {error}"
+    return f"no results file at {results_path} and no exception in the app's log (see the log above)"
 
 
 @dataclass(frozen=True)
@@ -485,10 +570,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep-workdir", action="store_true", help="keep FLWR_HOME and process logs")
     args = parser.parse_args(argv)
 
-    from flwr.common.config import parse_config_args
-
-    overrides: dict[str, Any] = dict(parse_config_args([args.run_config])) if args.run_config else {}
-    k = (args.num_supernodes or int(overrides.get("num-partitions", 0))
+    try:
+        overrides = parse_run_config(args.run_config)
+    except ValueError as exc:
+        print(f"[fedfiot] FAILED: {exc}", file=sys.stderr)
+        return 2
+    k = (args.num_supernodes or _count(overrides.get("num-partitions"))
          or _num_partitions(args.app, args.run_config_file) or DEFAULT_NUM_SUPERNODES)
     run_name = args.run_name or f"main-{time.strftime('%Y%m%d-%H%M%S')}"
     results_dir = Path(args.results_dir).resolve()
@@ -497,17 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fed = LocalFederation(mode=args.mode, num_supernodes=k)
     try:
-        fed.start()
-        print(f"[fedfiot] {args.mode} federation: SuperLink 127.0.0.1:{fed.port}, PIDs {fed.pids()}, "
-              f"FLWR_HOME {fed.flwr_home}", flush=True)
-        proc = fed.flwr_run(args.app, overrides, args.run_config_file, timeout=args.timeout)
-        sys.stdout.write(proc.stdout)
-        sys.stderr.write(proc.stderr)
-        # The stream ends with the run; a results file still marked "running" means the ServerApp died.
-        data = wait_for_results(results_path, timeout=10.0) if results_path.exists() else {}
-    except (TimeoutError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        print(f"[fedfiot] run failed: {exc}", file=sys.stderr)
-        data = {}
+        data, output = _run_app(fed, args.app, overrides, args.run_config_file, args.timeout, results_path)
+        logs = [output, _read(fed.log_path("superlink"))]
     finally:
         if args.keep_workdir:
             fed.stop()
@@ -517,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _dump_logs(fed)
             fed.cleanup()
     if data.get("status") != "finished":
-        print(f"[fedfiot] FAILED: {data.get('error') or 'no results file at ' + str(results_path)}", file=sys.stderr)
+        print(f"[fedfiot] FAILED: {failure_message(data, logs, results_path)}", file=sys.stderr)
         return 1
     final = data.get("final", {})
     ours = (final.get("test") or {}).get("accuracy")
@@ -531,13 +609,65 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _load_toml(path: Path) -> dict[str, Any]:
+def _run_app(
+    fed: LocalFederation, app: str, overrides: Mapping[str, Any], run_config_file: str | None, timeout: float,
+    results_path: Path,
+) -> tuple[dict[str, Any], str]:
+    """Start ``fed`` and run the app on it once, echoing ``flwr run``'s output.
+
+    Returns
+    -------
+    tuple
+        ``(results, output)``: the run's ``results.json`` (empty when there is none, or when the
+        federation or the run failed) and what ``flwr run --stream`` printed (the app's log).
+    """
+    output = ""
+    try:
+        fed.start()
+        print(f"[fedfiot] {fed.mode} federation: SuperLink 127.0.0.1:{fed.port}, PIDs {fed.pids()}, "
+              f"FLWR_HOME {fed.flwr_home}", flush=True)
+        proc = fed.flwr_run(app, overrides, run_config_file, timeout=timeout)
+        output = proc.stdout + proc.stderr
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+        # The stream ends with the run; a results file still marked "running" means the ServerApp died.
+        return (wait_for_results(results_path, timeout=10.0) if results_path.exists() else {}), output
+    except subprocess.TimeoutExpired as exc:
+        output = _text(exc.stdout) + _text(exc.stderr)
+        sys.stdout.write(output)
+        print(f"[fedfiot] run failed: {exc}", file=sys.stderr)
+    except (TimeoutError, RuntimeError) as exc:
+        print(f"[fedfiot] run failed: {exc}", file=sys.stderr)
+    return {}, output
+
+
+def _read(path: Path) -> str:
+    """A process log's text ('' when the process never started)."""
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _toml_module() -> ModuleType:
     try:
         import tomllib
     except ImportError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
+    return tomllib
 
-    return dict(tomllib.loads(path.read_text(encoding="utf-8")))
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    return dict(_toml_module().loads(path.read_text(encoding="utf-8")))
+
+
+def _count(value: Any) -> int:
+    """``value`` as a positive integer (``4`` or ``"4"``), else 0: a bad ``num-partitions`` is the app's to report."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _text(output: bytes | str | None) -> str:
+    """Captured output of a timed-out process (bytes even with ``text=True``) as text."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _num_partitions(app: str, run_config_file: str | None) -> int:
@@ -545,9 +675,9 @@ def _num_partitions(app: str, run_config_file: str | None) -> int:
     if run_config_file:
         cfg = _load_toml(Path(run_config_file))
         if "num-partitions" in cfg:
-            return int(cfg["num-partitions"])
+            return _count(cfg["num-partitions"])
     py = _load_toml(Path(app) / "pyproject.toml")
-    return int(py["tool"]["flwr"]["app"]["config"].get("num-partitions", 0))
+    return _count(py["tool"]["flwr"]["app"]["config"].get("num-partitions", 0))
 
 
 def _dump_logs(fed: LocalFederation, tail: int = 60) -> None:

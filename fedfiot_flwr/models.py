@@ -33,10 +33,16 @@ from torch import nn
 
 from fedfiot_flwr.merge import PermutationSpec, cnn_spec, mlp_spec, spec_from_module
 
-__all__ = ["MODEL_NAMES", "BasicBlock", "ConvNet", "MLP", "ResNet20", "build_model", "permutation_spec",
-           "xavier_init_"]
+__all__ = ["MODEL_NAMES", "BasicBlock", "ConvNet", "MLP", "ResNet20", "build_model", "is_model_name",
+           "permutation_spec", "xavier_init_"]
 
 MODEL_NAMES = ("fednet", "lenet", "mlp", "resnet20")
+
+
+def is_model_name(name: str) -> bool:
+    """Whether :func:`build_model` knows ``name`` (any case; ``resnet20-w<N>`` included)."""
+    key = name.lower()
+    return key in MODEL_NAMES or (key.startswith("resnet20-w") and key[len("resnet20-w"):].isdigit())
 
 
 class ConvNet(nn.Module):

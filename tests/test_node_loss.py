@@ -42,6 +42,79 @@ def test_sampling_goes_on_with_the_nodes_left_after_the_wait(tmp_path: Path) -> 
         strategy.configure_train(4, _arrays(), ConfigRecord(), grid)
 
 
+class FakeClock:
+    """``time.monotonic`` and ``time.sleep`` of a :class:`NodeWaiter`: sleeping only moves the clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+Sampled = tuple[list[int], list[int], float]
+
+
+def _round(strategy: FedFiOT, grid: FakeGrid, clock: FakeClock, server_round: int) -> Sampled:
+    """Sample a round's training and evaluation; return both node lists and the time spent waiting."""
+    start = clock.now
+    train = list(strategy.configure_train(server_round, _arrays(), ConfigRecord(), grid))
+    evaluate = list(strategy.configure_evaluate(server_round, _arrays(), ConfigRecord(), grid))
+    return (sorted(m.metadata.dst_node_id for m in train), sorted(m.metadata.dst_node_id for m in evaluate),
+            clock.now - start)
+
+
+def test_a_lost_node_is_waited_for_once_not_in_every_later_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    def flower_waits(seconds: float) -> None:  # Flower's own unbounded wait for min_available_nodes
+        raise AssertionError("Flower's sampling waited for a node the strategy knows is missing")
+
+    monkeypatch.setattr("flwr.serverapp.strategy.strategy_utils.sleep", flower_waits)
+    grid, clock = FakeGrid([11, 12, 13], None), FakeClock()
+    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_evaluate_nodes=3, min_available_nodes=3,
+                       min_valid_replies=2, node_wait_s=5.0)
+    strategy._node_waiter.clock, strategy._node_waiter.sleep = clock.monotonic, clock.sleep
+
+    strategy.configure_train(1, _arrays(), ConfigRecord(), grid)
+    grid.node_ids = [11, 12]  # node 13 is lost during round 1's training
+    evaluate = list(strategy.configure_evaluate(1, _arrays(), ConfigRecord(), grid))
+    assert sorted(m.metadata.dst_node_id for m in evaluate) == [11, 12]
+    assert clock.now == 5.0  # the first time it is missed: one full wait
+    for server_round in (2, 3):  # the later rounds go on at once, training and evaluation
+        assert _round(strategy, grid, clock, server_round) == ([11, 12], [11, 12], 0.0)
+    assert strategy.unavailable_nodes == {2: [13], 3: [13]}
+    assert strategy.min_available_nodes == strategy.min_train_nodes == strategy.min_evaluate_nodes == 3
+
+    grid.node_ids = [11, 12, 13]  # node 13 is back: used again
+    assert _round(strategy, grid, clock, 4) == ([11, 12, 13], [11, 12, 13], 0.0)
+    grid.node_ids = [11, 13]  # a new loss is waited for once again
+    assert _round(strategy, grid, clock, 5) == ([11, 13], [11, 13], 5.0)
+    assert _round(strategy, grid, clock, 6) == ([11, 13], [11, 13], 0.0)
+
+    grid.node_ids = [11]  # below min_valid_replies: never a skipped wait, and the round fails after it
+    for server_round in (7, 8):
+        start = clock.now
+        with pytest.raises(RuntimeError, match=rf"round {server_round}: only 1 nodes connected .* at least 2 needed"):
+            strategy.configure_train(server_round, _arrays(), ConfigRecord(), grid)
+        assert clock.now - start == 5.0
+
+
+def test_a_node_that_reconnects_during_the_wait_ends_it() -> None:
+    grid, clock = FakeGrid([11, 12], None), FakeClock()
+    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_available_nodes=3, min_valid_replies=2, node_wait_s=60.0)
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now >= 3.0:
+            grid.node_ids = [11, 12, 13]
+
+    strategy._node_waiter.clock, strategy._node_waiter.sleep = clock.monotonic, sleep
+    sent = list(strategy.configure_train(1, _arrays(), ConfigRecord(), grid))
+    assert sorted(m.metadata.dst_node_id for m in sent) == [11, 12, 13] and clock.now == 3.0
+
+
 def _wait_for_line(path: Path, text: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -12,7 +12,6 @@ unchanged). The merge's own diagnostics are server metrics: logged once per roun
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any
@@ -220,25 +219,12 @@ class MergeStrategy(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample as FedAvg; with ``node_wait_s``, evaluate on the nodes left after a bounded wait."""
-        timeout = self._node_waiter.timeout_s
-        if timeout is None or self.fraction_evaluate == 0.0:
+        if self.fraction_evaluate == 0.0:
             return super().configure_evaluate(server_round, arrays, config, grid)
-        wanted = max(int(self.min_available_nodes), int(self.min_evaluate_nodes))
-        deadline = time.monotonic() + timeout
-        while len(list(grid.get_node_ids())) < wanted and time.monotonic() < deadline:
-            time.sleep(self._node_waiter.poll_s)
-        connected = len(list(grid.get_node_ids()))
-        if connected >= wanted:
-            return super().configure_evaluate(server_round, arrays, config, grid)
-        if connected == 0:
-            log(WARNING, "round %s: no node connected, federated evaluation skipped", server_round)
-            return []
-        saved = self.min_available_nodes, self.min_evaluate_nodes
-        self.min_available_nodes = self.min_evaluate_nodes = connected
-        try:
-            return list(super().configure_evaluate(server_round, arrays, config, grid))
-        finally:
-            self.min_available_nodes, self.min_evaluate_nodes = saved
+        return self._node_waiter.configure_evaluate(
+            self, grid, server_round,
+            lambda: super(MergeStrategy, self).configure_evaluate(server_round, arrays, config, grid),
+        )
 
     def _node_of(self, reply: Message, sent: Mapping[str, int]) -> str:
         """The node an answer is for: the instruction's destination (error replies may lack a source)."""
