@@ -19,7 +19,7 @@ from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.legacy import FedFiOTLegacy
 from fedfiot_flwr.server.recorder import RunRecorder
 from fedfiot_flwr.server.selection import Candidate, MergeOutcome, SweepGrid, merge_round
-from fedfiot_flwr.server.shell import MergeStrategy
+from fedfiot_flwr.server.shell import MergeResult, MergeStrategy
 from fedfiot_flwr.server.strategies import FedFiOT, FedFisherStrategy, RegMeanStrategy
 from fedfiot_flwr.server.uploads import CollectedUploads, Rejection, collect_uploads
 
@@ -36,6 +36,7 @@ __all__ = [
     "FedFisherAggregator",
     "FedFisherStrategy",
     "MergeOutcome",
+    "MergeResult",
     "MergeStrategy",
     "RegMeanAggregator",
     "RegMeanStrategy",

@@ -217,8 +217,8 @@ class FedFiOTAggregator:
         metrics: dict[str, Any] = {
             "objective-aligned": float(res.aligned_objective),
             "objective-identity": float(res.identity_objective),
-            "kept-aligned": int(outcome.variant == "aligned"),
-            "fedavg-won": int(fedavg_won),
+            "kept-aligned": outcome.variant == "aligned",
+            "alignment-lowered-objective": bool(res.aligned_objective < res.identity_objective),
             "alignment-moved-fraction": moved,
             "inner-iterations": iters,
             "rho": float(cand.rho),
@@ -226,6 +226,8 @@ class FedFiOTAggregator:
             "merge-seconds": float(res.seconds),
             "num-trials": len(outcome.trials),
         }
+        if cfg.fedavg_candidate and validate is not None:
+            metrics["fedavg-won"] = fedavg_won
         record = {
             "objective_aligned": res.aligned_objective,
             "objective_identity": res.identity_objective,

@@ -6,9 +6,11 @@
 ``FitRes`` as one ``uint8`` array::
 
     content = fisher_reply(model, trainloader, metrics)
-    return reply_to_ndarrays(content), num_examples, {}
+    return reply_to_ndarrays(content), num_examples, metrics
 
-(:func:`fedfiot_flwr.wire.reply_to_ndarrays`). Global parameters travel as usual: a list of arrays
+(:func:`fedfiot_flwr.wire.reply_to_ndarrays`). The client's metrics travel inside the reply; without a
+``fit_metrics_aggregation_fn`` the strategy returns their example-weighted mean (names unchanged).
+Global parameters travel as usual: a list of arrays
 in ``model.state_dict()`` order.
 """
 
@@ -31,7 +33,7 @@ from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.rounds import RoundMerger
 from fedfiot_flwr.server.server_data import plan_server_data
-from fedfiot_flwr.server.shell import ValidateFn, buffers_of
+from fedfiot_flwr.server.shell import ValidateFn, buffers_of, check_sampling, metric_record
 from fedfiot_flwr.server.strategies import fedfiot_aggregator
 from fedfiot_flwr.server.uploads import DUPLICATE_REASON
 from fedfiot_flwr.wire import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
@@ -74,6 +76,9 @@ class FedFiOTLegacy(FedAvg):
     ) -> None:
         FedAvg.__init__(self, **fedavg_options)
         label = "FedFiOTLegacy"
+        check_sampling(label, fraction_fit=self.fraction_fit, fraction_evaluate=self.fraction_evaluate,
+                       min_fit_clients=self.min_fit_clients, min_evaluate_clients=self.min_evaluate_clients,
+                       min_available_clients=self.min_available_clients)
         aggregator = fedfiot_aggregator(spec, model, config, validate_fn is not None or server_data is not None,
                                         refine is not None, label=label)
         self.fedfiot_config = aggregator.settings
@@ -157,10 +162,12 @@ class FedFiOTLegacy(FedAvg):
             errors.append((cid, f"{DUPLICATE_REASON} ({reason})" if cid in seen else reason))
             seen.add(cid)
         result = self.merger.merge(server_round, good, errors, self._broadcast)
-        self.server_metrics[server_round] = result.report["server_metrics"]
-        log(INFO, "FedFiOT round %s server-side metrics: %s", server_round, result.report["server_metrics"])
-        metrics: dict[str, Scalar] = {}
+        self.server_metrics[server_round] = dict(metric_record(result.report["server_metrics"]))
+        log(INFO, "FedFiOTLegacy round %s server-side metrics: %s", server_round,
+            dict(metric_record(result.report["server_metrics"])))
+        ups = result.uploads
         if self.fit_metrics_aggregation_fn is not None:
-            ups = result.uploads
             metrics = self.fit_metrics_aggregation_fn(list(zip(ups.num_examples, ups.metrics)))
+        else:  # the clients' own metrics, example-weighted, as the Message API strategy reports them
+            metrics = dict(result.report["client_train_metrics"])
         return ndarrays_to_parameters([result.model[k] for k in self.names]), metrics

@@ -190,6 +190,8 @@ class RunRecorder:
                           if k in last_rec})
         final["train_metrics_clientapp"] = {str(r): dict(m) for r, m in result.train_metrics_clientapp.items()}
         final["evaluate_metrics_clientapp"] = {str(r): dict(m) for r, m in result.evaluate_metrics_clientapp.items()}
+        final["aggregation_metrics_serverapp"] = {str(r): dict(m) for r, m in
+                                                  getattr(result, "aggregation_metrics_serverapp", {}).items()}
         if checkpoints and len(result.arrays) > 0:
             model = {k: np.asarray(v.numpy()) for k, v in result.arrays.items()}
             final["checkpoint"] = str(save_checkpoint(model, self.run_dir / "checkpoints" / "final.pt"))

@@ -12,14 +12,16 @@ unchanged). The merge's own diagnostics are server metrics: logged once per roun
 
 from __future__ import annotations
 
+import pprint
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from fedfiot_flwr.refine.base import ModelMapStage, PostMergeStage
@@ -34,7 +36,8 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-__all__ = ["MergeStrategy", "arrays_to_numpy", "buffers_of", "numpy_to_arrays"]
+__all__ = ["MergeResult", "MergeStrategy", "arrays_to_numpy", "buffers_of", "check_sampling", "check_model",
+           "metric_record", "numpy_to_arrays"]
 
 Model = dict[str, np.ndarray]
 ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float] | None]
@@ -62,15 +65,27 @@ def buffers_of(model: torch.nn.Module | None) -> tuple[str, ...]:
 
 
 def check_model(model: Any, label: str) -> None:
-    """``model`` is ``None`` or a torch module (checked without importing torch)."""
-    if model is not None and not (callable(getattr(model, "named_parameters", None))
-                                  and callable(getattr(model, "state_dict", None))):
+    """``model`` is ``None`` or a torch module with floating-point parameters (checked without importing torch).
+
+    Raises
+    ------
+    TypeError
+        For anything else, or a parameter that is not floating point (it has no Fisher), named.
+    """
+    if model is None:
+        return
+    if not (callable(getattr(model, "named_parameters", None)) and callable(getattr(model, "state_dict", None))):
         raise TypeError(f"{label}: model must be a torch.nn.Module instance (e.g. model=Net()), "
                         f"got {type(model).__name__} {model!r:.60}")
+    for name, param in model.named_parameters():
+        if not param.is_floating_point():
+            raise TypeError(f"{label}: parameter {name!r} of the model is {param.dtype}; every parameter must be "
+                            "floating point (make integer state a buffer)")
 
 
-def _metric_record(values: Mapping[str, Any]) -> MetricRecord:
-    """Keep what a MetricRecord can hold: finite numbers and lists of them."""
+def metric_record(values: Mapping[str, Any]) -> MetricRecord:
+    """Keep what a MetricRecord can hold: finite numbers and lists of them (booleans as 0/1, integers
+    stay integers, so both strategy APIs report the same types)."""
     out: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, bool):
@@ -78,8 +93,50 @@ def _metric_record(values: Mapping[str, Any]) -> MetricRecord:
         elif isinstance(value, (int, float)) and np.isfinite(value):
             out[key] = value
         elif isinstance(value, list) and value and all(isinstance(v, (int, float)) and np.isfinite(v) for v in value):
-            out[key] = [float(v) for v in value]
+            ints = all(isinstance(v, int) for v in value)
+            out[key] = [int(v) for v in value] if ints else [float(v) for v in value]
     return MetricRecord(out)
+
+
+def check_sampling(label: str, **options: Any) -> None:
+    """Refuse sampling options Flower would accept and then hang or misbehave on.
+
+    Fractions must lie in [0, 1] and node counts be integers >= 0 (``min_*_nodes``, ``min_fit_clients``...).
+
+    Raises
+    ------
+    ValueError
+        Naming the option and the value.
+    """
+    for name, value in options.items():
+        if name.startswith("fraction"):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+            rule = "a number in [0, 1]"
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            rule = "an integer >= 0"
+        if not ok:
+            raise ValueError(f"{label}: {name} must be {rule}, got {value!r}")
+
+
+@dataclass
+class MergeResult(Result):
+    """Flower's ``Result`` plus the server-side aggregation metrics of every round.
+
+    Attributes
+    ----------
+    aggregation_metrics_serverapp : dict[int, MetricRecord]
+        Per round, the merge's own numbers (what was kept, the fraction of neurons moved, the
+        selection scores, excluded replies): :attr:`MergeStrategy.server_metrics`.
+    """
+
+    aggregation_metrics_serverapp: dict[int, MetricRecord] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """Flower's summary, then the aggregation metrics."""
+        rounds = {r: dict(m) for r, m in self.aggregation_metrics_serverapp.items()}
+        return (super().__repr__() + "\nServerApp-side Aggregation Metrics:\n"
+                + pprint.pformat(rounds, indent=2, compact=True) + "\n")
 
 
 class MergeStrategy(FedAvg):
@@ -143,6 +200,9 @@ class MergeStrategy(FedAvg):
         **fedavg_options: Any,
     ) -> None:
         FedAvg.__init__(self, **fedavg_options)
+        check_sampling(aggregator.label, fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate,
+                       min_train_nodes=self.min_train_nodes, min_evaluate_nodes=self.min_evaluate_nodes,
+                       min_available_nodes=self.min_available_nodes)
         check_model(model, aggregator.label)
         self.aggregator = aggregator
         plan = plan_server_data(aggregator.label, model, server_data, refine, validate_fn, aggregator.describe,
@@ -195,6 +255,17 @@ class MergeStrategy(FedAvg):
         return self.merger.last
 
     # -- Flower hooks ------------------------------------------------------------------------
+
+    def start(self, *args: Any, **kwargs: Any) -> MergeResult:
+        """Flower's ``start``; the returned result also holds the server-side aggregation metrics."""
+        result = super().start(*args, **kwargs)
+        out = MergeResult(**{f.name: getattr(result, f.name) for f in fields(result)},
+                          aggregation_metrics_serverapp=dict(self.server_metrics))
+        extra = repr(out)[len(repr(result)):]
+        for line in extra.strip("\n").splitlines():
+            log(INFO, "\t%s", line)
+        log(INFO, "")
+        return out
 
     def summary(self) -> None:
         """Log what the strategy will do (in words), then FedAvg's summary."""
@@ -260,7 +331,7 @@ class MergeStrategy(FedAvg):
         finally:
             if lost and self.reports and self.reports[-1].get("round") == server_round:
                 self.reports[-1]["unavailable_nodes"] = list(lost)
-        self.server_metrics[server_round] = _metric_record(result.report["server_metrics"])
+        self.server_metrics[server_round] = metric_record(result.report["server_metrics"])
         log(INFO, "%s round %s server-side metrics: %s", self.aggregator.label, server_round,
             dict(self.server_metrics[server_round]))
         return numpy_to_arrays(result.model), self._train_metrics(result)
@@ -274,4 +345,4 @@ class MergeStrategy(FedAvg):
             return self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         except (KeyError, TypeError, ValueError) as exc:
             log(WARNING, "train_metrics_aggr_fn failed (%s); using the example-weighted mean", exc)
-            return _metric_record(result.report["client_train_metrics"])  # the same mean, already in the report
+            return metric_record(result.report["client_train_metrics"])  # the same mean, already in the report
