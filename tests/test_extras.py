@@ -213,6 +213,9 @@ def test_launch_in_simulation_mode_without_ray_names_the_simulation_extra(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     federation = launch.LocalFederation(mode="simulation", num_supernodes=1, workdir=tmp_path)
-    with pytest.raises(ImportError, match=re.escape("pip install 'fedfiot-flwr[simulation]'")):
-        federation.start()
-    assert federation.processes == {}
+    try:
+        with pytest.raises(ImportError, match=re.escape("pip install 'fedfiot-flwr[simulation]'")):
+            federation.start()
+        assert federation.processes == {}  # raised before starting anything
+    finally:
+        federation.stop()  # should the check ever let a SuperLink start
