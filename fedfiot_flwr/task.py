@@ -224,4 +224,3 @@ def evaluate(
     if seen == 0:
         raise ValueError("evaluate: the loader yielded no examples")
     return loss_sum / seen, correct / seen
-

@@ -99,6 +99,17 @@ def test_the_test_extra_holds_every_other_extra_but_the_optional_tools() -> None
         assert {str(r) for r in _extra_closure(extras, extra)} <= test, extra
 
 
+def test_every_lazy_name_of_the_data_package_resolves() -> None:
+    import fedfiot_flwr.data as data
+
+    assert sorted(data.__all__) == sorted(data._LAZY)
+    for name in data.__all__:
+        assert getattr(data, name) is not None  # imports the submodule that defines it
+    assert set(data.__all__) <= set(dir(data))
+    with pytest.raises(AttributeError):
+        data.no_such_name  # noqa: B018
+
+
 # ------------------------------------------------------- the core install, extras blocked
 
 CHILD = textwrap.dedent(

@@ -54,7 +54,28 @@ _LAZY = {
     "save_partition_heatmap": "summary",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "DATASET_NAMES",
+    "SCHEMES",
+    "ArrayImageDataset",
+    "ClassProportionDirichletPartitioner",
+    "DatasetBundle",
+    "DatasetUnavailableError",
+    "FederatedSplit",
+    "canonical_name",
+    "clear_dataset_cache",
+    "crop_flip_augmentation",
+    "default_data_root",
+    "dirichlet_class_split",
+    "federated_split",
+    "flwr_dirichlet_split",
+    "load_dataset",
+    "partition_counts",
+    "partition_table",
+    "read_idx",
+    "save_partition_heatmap",
+    "split_indices",
+]
 
 
 def __getattr__(name: str) -> Any:
