@@ -108,7 +108,7 @@ def fisher_reply(
     device : torch.device or str, optional
         Where the Fisher pass runs (default: CUDA when available).
     progress : bool, optional
-        Show a tqdm bar (``None``: only on a terminal).
+        Show a tqdm bar (``None``: only on a terminal, and only with tqdm installed).
 
     Returns
     -------
@@ -169,6 +169,9 @@ def curvature_reply(
     ------
     ValueError
         For an unknown ``strategy`` or ``fisher_kind``.
+    ImportError
+        For ``"fedfisher-kfac"`` or ``"regmean"`` without ``curvlinops-for-pytorch``
+        (``pip install 'fedfiot-flwr[baselines]'``).
     """
     from fedfiot_flwr.curvature import input_grams, kfac_factors
 
@@ -227,7 +230,7 @@ def train_and_pack(
     num_examples : int, optional
         Local data set size; defaults to ``len(fisherloader.dataset)`` (or a count).
     progress : bool, optional
-        tqdm bars; ``None`` shows them only on a terminal.
+        tqdm bars; ``None`` shows them only on a terminal, and only with tqdm installed.
     **train_kwargs
         Passed to :func:`fedfiot_flwr.task.train` (``lr``, ``momentum``, ``weight_decay``,
         ``augment``).

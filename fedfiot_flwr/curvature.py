@@ -27,8 +27,9 @@ it is exact.
 
 The factors are computed by ``curvlinops-for-pytorch``'s ``KFACLinearOperator``
 (``kfac_approx="expand"``, ``separate_weight_and_bias=False``, summed cross-entropy, then
-``G`` divided by ``N``). RegMean's Gram of a Linear layer's inputs is the same ``A`` factor,
-obtained from the forward pass alone (``fisher_type="forward-only"``).
+``G`` divided by ``N``; curvlinops is the ``baselines`` extra, imported on first use).
+RegMean's Gram of a Linear layer's inputs is the same ``A`` factor, obtained from the forward
+pass alone (``fisher_type="forward-only"``).
 
 Uploads compress each symmetric PSD factor ``M`` (``n x n``) as ``M ~= L L^T`` with
 ``L = V_r diag(sqrt(lambda_r))`` from its top-``r`` eigenpairs, each column of ``L`` stored as
@@ -50,6 +51,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfiot_flwr.extras import require
 from fedfiot_flwr.fisher import FISHER_KINDS, gradient_mode
 from fedfiot_flwr.task import split_batch
 from fedfiot_flwr.psd import (  # re-exported: the records live with their code
@@ -151,11 +153,12 @@ def _run_kfac(
     modules: Mapping[str, nn.Module],
     fisher_type: str,
     progress: bool,
+    purpose: str,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
     """Run curvlinops' K-FAC over the data; return (input, gradient covariances, N)."""
     with warnings.catch_warnings():  # linear_operator (a curvlinops dependency) calls torch.jit.script
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*", category=FutureWarning)
-        from curvlinops import KFACLinearOperator  # imported lazily: only clients need it
+        KFACLinearOperator = require("curvlinops", "curvlinops-for-pytorch", "baselines", purpose).KFACLinearOperator
 
     pairs = _Pairs(dataloader)
     n = _count(pairs, dataloader)
@@ -218,13 +221,15 @@ def kfac_factors(
     ValueError
         For an unknown ``kind``, an unknown or unsupported module, a model without
         parameters or an empty loader.
+    ImportError
+        Without ``curvlinops-for-pytorch`` (``pip install 'fedfiot-flwr[baselines]'``).
     """
     if kind not in FISHER_KINDS:
         raise ValueError(f"unknown Fisher kind {kind!r}; choose one of {FISHER_KINDS}")
     chosen = _select(model, modules, linear_only=False)
     fisher_type = {"true": "type-2", "empirical": "empirical", "sampled": "mc"}[kind]
     with gradient_mode(model, device, "curvature"):
-        a_cov, g_cov, n = _run_kfac(model, dataloader, chosen, fisher_type, progress)
+        a_cov, g_cov, n = _run_kfac(model, dataloader, chosen, fisher_type, progress, "FedFisher's K-FAC factors")
     out: dict[str, KFACFactors] = {}
     for name, module in chosen.items():
         bias = _key(name, "bias") if module.bias is not None else None
@@ -272,10 +277,12 @@ def input_grams(
     ------
     ValueError
         For an unknown or non-Linear module, a model without parameters or an empty loader.
+    ImportError
+        Without ``curvlinops-for-pytorch`` (``pip install 'fedfiot-flwr[baselines]'``).
     """
     chosen = _select(model, modules, linear_only=True)
     with gradient_mode(model, device, "curvature"):
-        a_cov, _, _ = _run_kfac(model, dataloader, chosen, "forward-only", progress)
+        a_cov, _, _ = _run_kfac(model, dataloader, chosen, "forward-only", progress, "RegMean's client Grams")
     return {
         name: InputGram(
             weight=_key(name, "weight"),

@@ -49,7 +49,6 @@ their channel's permutation and are averaged weighted by ``num_examples``.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -57,8 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vjp, vmap
-from tqdm.auto import tqdm
 
+from fedfiot_flwr.progress import progress_bar
 from fedfiot_flwr.task import split_batch
 
 __all__ = ["FISHER_KINDS", "FISHER_METHODS", "diagonal_fisher", "output_vectors", "supported_modules"]
@@ -403,7 +402,8 @@ def diagonal_fisher(
         Where to compute; defaults to the device of the model's parameters. The model is
         moved back afterwards.
     progress : bool, optional
-        tqdm bar over batches; ``None`` shows it only on a terminal.
+        tqdm bar over batches (the ``progress`` extra); ``None`` shows it only on a terminal
+        and only when tqdm is installed.
 
     Returns
     -------
@@ -452,8 +452,7 @@ def _diagonal_fisher(
         fallback = [n for n in names if n not in covered_params]
         recorder = _Recorder(covered) if covered else None
         total = len(dataloader) if hasattr(dataloader, "__len__") else None  # type: ignore[arg-type]
-        bar = tqdm(dataloader, total=total, desc=f"{kind} Fisher", unit="batch", leave=False,
-                   disable=None if progress is None else not progress, file=sys.stderr)
+        bar = progress_bar(dataloader, progress, total=total, desc=f"{kind} Fisher", unit="batch", leave=False)
         seen = 0
         try:
             for batch in bar:

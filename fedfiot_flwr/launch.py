@@ -15,6 +15,7 @@ environment), and success is read from the run's ``results.json``, not from exit
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import IO, Any
+
+from fedfiot_flwr.extras import require
 
 #: SuperNodes of a launched federation when the run leaves K to the federation (the paper's K).
 DEFAULT_NUM_SUPERNODES = 6
@@ -325,7 +328,19 @@ class LocalFederation:
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> LocalFederation:
-        """Start the SuperLink (and SuperNodes), write the CLI connection, wait until ready."""
+        """Start the SuperLink (and SuperNodes), write the CLI connection, wait until ready.
+
+        Raises
+        ------
+        ImportError
+            In simulation mode without Ray (``pip install 'fedfiot-flwr[simulation]'``).
+        RuntimeError
+            If a process exits early or the SuperLink does not become healthy in time.
+        """
+        # Without Ray the SuperLink would only fail later, in its log. find_spec first: importing
+        # Ray here (in the launcher's process) would cost seconds and is not needed.
+        if self.mode == "simulation" and importlib.util.find_spec("ray") is None:
+            require("ray", "flwr[simulation]", "simulation", "Flower's simulation engine (mode 'simulation')")
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         security = ("insecure = true\n" if self.tls is None
                     else f"root-certificates = {json.dumps(str(self.tls.ca_cert))}\n")

@@ -11,17 +11,16 @@ pairs or dicts (flwr-datasets style, see :func:`split_batch`).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from fedfiot_flwr.batches import IMAGE_KEYS, LABEL_KEYS, default_device, evaluate, split_batch
 from fedfiot_flwr.batches import resolve_device as _resolve_device
+from fedfiot_flwr.progress import progress_bar
 
 __all__ = [
     "IMAGE_KEYS",
@@ -94,7 +93,8 @@ def train(
     device : torch.device or str, optional
         Defaults to CUDA when available, else the CPU.
     progress : bool, optional
-        Show a tqdm bar over epochs; ``None`` shows it only on a terminal.
+        Show a tqdm bar over epochs (the ``progress`` extra); ``None`` shows it only on a
+        terminal and only when tqdm is installed.
     augment : bool
         Apply :func:`random_crop_flip` to every batch (leave False when the data set
         already augments, as ``load_dataset(augment=True)`` does).
@@ -117,8 +117,7 @@ def train(
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=int(epochs))
-    bar = tqdm(range(int(epochs)), desc="local epochs", unit="epoch", leave=False,
-               disable=_disable(progress), file=sys.stderr)
+    bar = progress_bar(range(int(epochs)), progress, desc="local epochs", unit="epoch", leave=False)
     loss_sum, correct, seen = 0.0, 0, 0
     for _ in bar:
         loss_sum, correct, seen = 0.0, 0, 0
@@ -142,11 +141,3 @@ def train(
         bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{correct / seen:.3f}")
     bar.close()
     return {"train-loss": loss_sum / seen, "train-accuracy": correct / seen}
-
-
-@torch.no_grad()
-
-
-def _disable(progress: bool | None) -> bool | None:
-    """tqdm's ``disable``: ``None`` lets tqdm hide the bar when stderr is not a terminal."""
-    return None if progress is None else not progress

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision.transforms import v2
+
+from fedfiot_flwr.extras import require
+
+if TYPE_CHECKING:
+    from torchvision.transforms import v2
 
 
 def crop_flip_augmentation(size: int) -> v2.Compose:
@@ -16,7 +21,13 @@ def crop_flip_augmentation(size: int) -> v2.Compose:
     A random ``size`` crop of the image zero-padded by 4 pixels on each side, then a
     horizontal flip with probability 1/2 (paper, Appendix C.2). Randomness comes from
     torch's global generator, so it follows the training seed, not the partition seed.
+
+    Raises
+    ------
+    ImportError
+        Without torchvision (``pip install 'fedfiot-flwr[data]'``).
     """
+    v2 = require("torchvision.transforms.v2", "torchvision", "data", "the crop-and-flip augmentation")
     return v2.Compose([v2.RandomCrop(size, padding=4), v2.RandomHorizontalFlip()])
 
 

@@ -1,12 +1,21 @@
-"""The paper's Dirichlet label split as a flwr-datasets ``Partitioner``."""
+"""The paper's Dirichlet label split as a flwr-datasets ``Partitioner`` (the ``data`` extra)."""
 
 from __future__ import annotations
 
-import datasets
+from typing import TYPE_CHECKING
+
 import numpy as np
-from flwr_datasets.partitioner import Partitioner
 
 from fedfiot_flwr.data.partition import dirichlet_class_split
+from fedfiot_flwr.extras import require
+
+if TYPE_CHECKING:
+    import datasets
+    from flwr_datasets.partitioner import Partitioner
+else:  # the base class: needed when this module is imported
+    Partitioner = require(
+        "flwr_datasets.partitioner", "flwr-datasets", "data", "ClassProportionDirichletPartitioner"
+    ).Partitioner
 
 
 class ClassProportionDirichletPartitioner(Partitioner):

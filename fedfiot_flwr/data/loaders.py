@@ -27,14 +27,21 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision import datasets as tvd
-from torchvision.transforms import v2
 
 from fedfiot_flwr.data.arrays import ArrayImageDataset, crop_flip_augmentation
+from fedfiot_flwr.extras import require
+
+if TYPE_CHECKING:
+    from torchvision import datasets as tvd
+    from torchvision.transforms import v2
+else:  # every loader here reads or builds torchvision data sets and transforms
+    tvd = require("torchvision.datasets", "torchvision", "data", "fedfiot_flwr.data's data sets")
+    v2 = require("torchvision.transforms.v2", "torchvision", "data", "fedfiot_flwr.data's data sets")
 
 # Standard per-channel statistics of the training sets, on pixels scaled to [0, 1].
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -232,8 +239,8 @@ def _bundle_from_arrays(
 
 
 def _load_digits(root: Path | None, download: bool) -> DatasetBundle:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    load_digits = require("sklearn.datasets", "scikit-learn", "data", "the digits data set").load_digits
+    train_test_split = require("sklearn.model_selection", "scikit-learn", "data", "the digits data set").train_test_split
 
     digits = load_digits()
     images = digits.images.astype(np.uint8)  # integers 0..16

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedfiot_flwr.extras import require
+
 
 def _check_args(labels: np.ndarray, num_partitions: int, alpha: float, seed: int, min_partition_size: int) -> None:
     if labels.ndim != 1:
@@ -156,11 +158,17 @@ def flwr_dirichlet_split(
     -------
     list[np.ndarray]
         ``K`` sorted ``int64`` arrays of positions into ``labels``.
+
+    Raises
+    ------
+    ImportError
+        Without flwr-datasets or datasets (``pip install 'fedfiot-flwr[data]'``).
     """
     import warnings
 
-    from datasets import Dataset as HFDataset
-    from flwr_datasets.partitioner import DirichletPartitioner
+    purpose = "flwr_dirichlet_split (flwr-datasets' DirichletPartitioner)"
+    HFDataset = require("datasets", "datasets", "data", purpose).Dataset
+    DirichletPartitioner = require("flwr_datasets.partitioner", "flwr-datasets", "data", purpose).DirichletPartitioner
 
     labels = np.asarray(labels)
     _check_args(labels, num_partitions, alpha, seed, min_partition_size)

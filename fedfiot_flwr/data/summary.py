@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfiot_flwr.data.split import FederatedSplit
+from fedfiot_flwr.extras import require
 
 PartitionLike = FederatedSplit | Sequence[np.ndarray]
 
@@ -105,9 +106,15 @@ def save_partition_heatmap(
     -------
     Path
         ``path``.
+
+    Raises
+    ------
+    ImportError
+        Without matplotlib (``pip install 'fedfiot-flwr[plots]'``).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    purpose = "save_partition_heatmap"
+    FigureCanvasAgg = require("matplotlib.backends.backend_agg", "matplotlib", "plots", purpose).FigureCanvasAgg
+    Figure = require("matplotlib.figure", "matplotlib", "plots", purpose).Figure
 
     counts = partition_counts(partition, num_classes)
     num_clients, n_cls = counts.shape

@@ -1,14 +1,17 @@
 """Exact linear assignment: scipy's Hungarian-type solver, or the optional ``lap`` package's LAPJV.
 
 Both solvers are exact (they find a minimum-cost assignment); they can differ only between
-assignments of equal cost. ``lap`` (``pip install lap``) is optional and about 1.5x faster
-than scipy on dense float64 cost matrices of a few thousand rows, and 4x on float32 ones.
+assignments of equal cost. ``lap`` (the ``fast`` extra, or ``pip install lap``) is optional and
+about 1.5x faster than scipy on dense float64 cost matrices of a few thousand rows, and 4x on
+float32 ones.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
+
+from fedfiot_flwr.extras import require
 
 LAP_SOLVERS = ("scipy", "lapjv", "auto")
 
@@ -44,10 +47,7 @@ def assign(cost: np.ndarray, solver: str = "scipy") -> np.ndarray:
     if solver == "auto":
         solver = "lapjv" if cost.shape[0] >= 512 and lapjv_available() else "scipy"
     if solver == "lapjv":
-        try:
-            import lap
-        except ImportError as err:
-            raise ImportError("lap_solver='lapjv' needs the optional 'lap' package (pip install lap)") from err
+        lap = require("lap", "lap", "fast", "lap_solver='lapjv'")
         _, x, _ = lap.lapjv(np.ascontiguousarray(cost), extend_cost=False)
         return np.asarray(x, dtype=np.int64)
     rows, cols = linear_sum_assignment(cost)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Build the wheel, install it with no extras into a fresh virtual environment (only the core
+# dependencies: flwr, torch, numpy, scipy), and run one real FedFiOT round with it from outside
+# the repository (scripts/wheel_smoke.py), so that the installed package is what is imported.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+work=$(mktemp -d "${TMPDIR:-/tmp}/fedfiot-wheel.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+start=$SECONDS
+
+"$PY" -m venv "$work/venv"
+"$work/venv/bin/python" -m pip wheel -q --no-deps -w "$work/dist" .
+wheels=("$work"/dist/fedfiot_flwr-*.whl)
+[[ ${#wheels[@]} == 1 && -f ${wheels[0]} ]] || { echo "check_wheel: expected one wheel, got: ${wheels[*]}" >&2; exit 1; }
+"$work/venv/bin/python" -m pip install -q "${wheels[0]}"
+
+cp scripts/wheel_smoke.py "$work/wheel_smoke.py"
+(cd "$work" && "$work/venv/bin/python" -I wheel_smoke.py)
+echo "check_wheel: $(basename "${wheels[0]}") passed in a fresh venv without extras ($((SECONDS - start)) s)"
