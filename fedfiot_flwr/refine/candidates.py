@@ -275,6 +275,9 @@ def refine_merged_model(
         if report.selection_accuracy.get(start_name, -1.0) <= report.selection_accuracy["merged"]:
             start_name = "merged"
         start_recipe = replace(recipes.get(start_name, _Recipe()), epochs=options.finetune_epochs)
+        if log:
+            log(f"    refine: fine-tuning {start_name} for {options.finetune_epochs} epochs on "
+                f"{sum(len(b) for b in data.ft_batches)} rows")
         tuned = False
         for epoch, state in build(start_recipe, data):
             if epoch == 0:

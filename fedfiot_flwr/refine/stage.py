@@ -18,8 +18,9 @@ server runs the clients' own uploaded models on its data.
 from __future__ import annotations
 
 import copy
+import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from fedfiot_flwr.validation import ValidateFn, make_validate_fn
 __all__ = ["RefinementStage", "describe_candidate", "fold_subsets", "split_folds"]
 
 Model = dict[str, np.ndarray]
+logger = logging.getLogger("flwr")
 
 
 def split_folds(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -129,6 +131,8 @@ class RefinementStage:
     """
 
     label = "server refinement"
+    progress: Callable[[str], None] | None = staticmethod(lambda line: logger.info("%s", line.strip()))
+    """Where each candidate's progress line goes (``None``: nowhere); Flower's log by default."""
 
     def __init__(
         self,
@@ -173,7 +177,7 @@ class RefinementStage:
         """:func:`~fedfiot_flwr.refine.refine_merged_model` on the two folds."""
         return refine_merged_model(
             merged, clients, self._scratch, self.fit_loader, self.select_loader, spec=self.spec,
-            permutations=permutations, num_examples=num_examples, options=self.options,
+            permutations=permutations, num_examples=num_examples, options=self.options, log=self.progress,
         )
 
     def __call__(

@@ -213,7 +213,7 @@ class RoundMerger:
         })
         self.reports.append(report)
         self.last = RoundResult(model, uploads, outcome, report)
-        self._log(server_round, outcome, validation, stage, seconds)
+        self._log(server_round, outcome, validation, stage, seconds, uploads)
         return self.last
 
     def _post_merge(self, model: Model, uploads: CollectedUploads,
@@ -222,8 +222,9 @@ class RoundMerger:
         return self.post_merge(model, uploads.weights, permutations, uploads.num_examples, uploads.client_ids)
 
     def _log(self, server_round: int, outcome: AggregateOutcome, validation: Mapping[str, float] | None,
-             stage: StageResult | None, seconds: float) -> None:
-        """One readable line: what the round returned, the score that chose it, FedAvg on the same terms."""
+             stage: StageResult | None, seconds: float, uploads: CollectedUploads) -> None:
+        """One readable line: what the round returned, the score that chose it, FedAvg on the same terms,
+        and the excluded clients."""
         label = self.aggregator.label
         what = (describe_fedfiot_choice(outcome.chosen, outcome.metrics) if "variant" in outcome.chosen
                 and outcome.chosen.get("variant") in ("aligned", "identity", "fedavg") else f"chose {outcome.chosen}")
@@ -236,4 +237,6 @@ class RoundMerger:
             if fedavg and "accuracy" in fedavg:
                 terms = " given the same post-merge stage" if stage is not None else ""
                 val += f"; FedAvg of the same uploads{terms}: {fedavg['accuracy']:.4f} on the same examples"
-        log(INFO, "%s round %s (server, %.1fs): %s%s", label, server_round, seconds, what, val)
+        excluded = "".join(f"; excluded client {r.client}" for r in uploads.rejections)
+        log(INFO, "%s round %s (server, %.1fs, %d clients): %s%s%s", label, server_round, seconds, len(uploads), what,
+            val, excluded)
