@@ -39,3 +39,37 @@ def test_refine_options_refuse_bad_values_when_built(field: str, value: object) 
 
     with pytest.raises(ValueError, match=f"RefineOptions.{field} must be"):
         RefineOptions(**{field: value})
+
+
+def test_a_validate_fn_scores_each_distinct_model_once_and_reads_a_cached_fold_once() -> None:
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from fedfiot_flwr.validation import make_validate_fn
+
+    class CountingLoader:
+        def __init__(self) -> None:
+            self.reads = 0
+            g = torch.Generator().manual_seed(0)
+            self.batches = [(torch.randn(8, 3, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(3)]
+
+        def __iter__(self):  # noqa: ANN204
+            self.reads += 1
+            return iter(self.batches)
+
+    model = nn.Linear(3, 2)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    a = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    b = {k: v.copy() for k, v in a.items()}
+    b["weight"][0] += 1.0  # one class's logit moves: a different model with a different loss
+    loader = CountingLoader()
+    validate = make_validate_fn(model, loader, "cpu", cache_batches=True)
+    first = validate(a)
+    assert validate({k: v.copy() for k, v in a.items()}) == first  # equal bytes: the same score, not recomputed
+    assert len(forwards) == 3
+    assert validate(b) != first and len(forwards) == 6  # a different model is scored
+    assert loader.reads == 1
+    plain = make_validate_fn(nn.Linear(3, 2), CountingLoader(), "cpu", memoize=False)
+    assert plain(a) == first and plain(a) == first  # the same numbers without the caches

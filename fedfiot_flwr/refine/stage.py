@@ -154,7 +154,7 @@ class RefinementStage:
         self.fit_loader = DataLoader(fit, batch_size=batch_size)
         self.select_loader = DataLoader(select, batch_size=batch_size)
         self._scratch = copy.deepcopy(model).cpu()
-        self._validate_fn = make_validate_fn(copy.deepcopy(model), self.select_loader, device)
+        self._validate_fn = make_validate_fn(copy.deepcopy(model), self.select_loader, device, cache_batches=True)
 
     @property
     def validate_fn(self) -> ValidateFn:
