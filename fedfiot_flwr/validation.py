@@ -11,7 +11,6 @@ a framework-neutral ``validate_fn``: ``model dict (name -> np.ndarray) -> metric
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -21,25 +20,15 @@ from torch import nn
 
 from fedfiot_flwr.batches import evaluate, split_batch
 
-__all__ = ["ValidateFn", "make_validate_fn", "model_digest"]
+__all__ = ["ValidateFn", "make_validate_fn"]
 
 ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float]]
 """``model dict -> metrics``; the metric the strategy selects on is ``"accuracy"`` by default."""
 
 
-def model_digest(weights: Mapping[str, np.ndarray]) -> bytes:
-    """A digest of a model dict's names, shapes, dtypes and bytes: equal digests, equal models."""
-    h = hashlib.blake2b(digest_size=20)
-    for name, value in weights.items():
-        arr = np.ascontiguousarray(value)
-        h.update(f"{name}|{arr.shape}|{arr.dtype}|".encode())
-        h.update(arr.tobytes())
-    return h.digest()
-
-
 def make_validate_fn(
     model: nn.Module, loader: Iterable[Any], device: torch.device | str | None = None, *,
-    cache_batches: bool = False, memoize: bool = True,
+    cache_batches: bool = False,
 ) -> ValidateFn:
     """A ``validate_fn`` that loads a model dict into ``model`` and scores it on ``loader``.
 
@@ -54,31 +43,21 @@ def make_validate_fn(
     cache_batches : bool
         Read ``loader`` once and score every model on those tensors (for a fixed, unshuffled,
         unaugmented held-out set: the same scores without re-collating it for every candidate).
-    memoize : bool
-        Score a model only once: a model whose names, shapes and bytes equal one already scored
-        gets the same metrics back (selection sweeps produce many identical merges).
 
     Returns
     -------
     callable
         ``model dict -> {"accuracy": ..., "loss": ...}`` (mean cross-entropy).
     """
-    scored: dict[bytes, dict[str, float]] = {}
     batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def validate(weights: Mapping[str, np.ndarray]) -> dict[str, float]:
         nonlocal batches
-        key = model_digest(weights) if memoize else None
-        if key is not None and key in scored:
-            return dict(scored[key])
         state = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()}
         model.load_state_dict(state)
         if cache_batches and batches is None:
             batches = [split_batch(b) for b in loader]
         loss, accuracy = evaluate(model, batches if batches is not None else loader, device=device)
-        out = {"accuracy": float(accuracy), "loss": float(loss)}
-        if key is not None:
-            scored[key] = out
-        return dict(out)
+        return {"accuracy": float(accuracy), "loss": float(loss)}
 
     return validate
