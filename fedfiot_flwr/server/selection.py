@@ -320,6 +320,8 @@ def merge_round(
     validated = _CachedValidation(validate) if validate is not None else None
     best: tuple[float, Candidate, str, MergeResult, Model, dict[str, float] | None] | None = None
     trials: list[dict[str, Any]] = []
+    if len(candidates) > 1:
+        logger.info("FedFiOT round %s: trying %d knob settings on the validation data", server_round, len(candidates))
     for cand in candidates:
         reference: str | int | Model = cand.reference
         if cand.reference == "broadcast":

@@ -12,6 +12,7 @@ unchanged). The merge's own diagnostics are server metrics: logged once per roun
 
 from __future__ import annotations
 
+import logging
 import pprint
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -62,6 +63,20 @@ def buffers_of(model: torch.nn.Module | None) -> tuple[str, ...]:
         return ()
     params = {n for n, _ in model.named_parameters()}
     return tuple(n for n in model.state_dict() if n not in params)
+
+
+def show_package_logs() -> None:
+    """Send the package's own log lines (the sweep, tracing a model) to Flower's console too.
+
+    The merge engine logs to the ``fedfiot_flwr`` logger, which has no handler of its own; a
+    strategy gives it Flower's, so that a user sees them where Flower's lines appear.
+    """
+    package = logging.getLogger("fedfiot_flwr")
+    for handler in logging.getLogger("flwr").handlers:
+        if handler not in package.handlers:
+            package.addHandler(handler)
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)
 
 
 def check_model(model: Any, label: str) -> None:
@@ -200,6 +215,7 @@ class MergeStrategy(FedAvg):
         **fedavg_options: Any,
     ) -> None:
         FedAvg.__init__(self, **fedavg_options)
+        show_package_logs()
         check_sampling(aggregator.label, fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate,
                        min_train_nodes=self.min_train_nodes, min_evaluate_nodes=self.min_evaluate_nodes,
                        min_available_nodes=self.min_available_nodes)

@@ -14,7 +14,7 @@ from fedfiot_flwr.merge import PermutationSpec, spec_from_module
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.shell import MergeStrategy, ValidateFn, check_model
+from fedfiot_flwr.server.shell import MergeStrategy, ValidateFn, check_model, show_package_logs
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +51,7 @@ def fedfiot_aggregator(
     TypeError
         When ``config`` is not a :class:`FedFiOTConfig` or ``model`` not a torch module.
     """
+    show_package_logs()
     check_model(model, label)
     if config is not None and not isinstance(config, FedFiOTConfig):
         raise TypeError(f"{label}: config must be a FedFiOTConfig (e.g. FedFiOTConfig.default(rho=0.3)), "
