@@ -17,7 +17,7 @@ in ``model.state_dict()`` order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from logging import INFO
+from logging import DEBUG, INFO
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -163,7 +163,7 @@ class FedFiOTLegacy(FedAvg):
             seen.add(cid)
         result = self.merger.merge(server_round, good, errors, self._broadcast)
         self.server_metrics[server_round] = dict(metric_record(result.report["server_metrics"]))
-        log(INFO, "FedFiOTLegacy round %s server-side metrics: %s", server_round,
+        log(DEBUG, "FedFiOTLegacy round %s server-side metrics: %s", server_round,
             dict(metric_record(result.report["server_metrics"])))
         ups = result.uploads
         if self.fit_metrics_aggregation_fn is not None:

@@ -16,7 +16,7 @@ import logging
 import pprint
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from logging import INFO, WARNING
+from logging import DEBUG, INFO, WARNING
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -348,7 +348,7 @@ class MergeStrategy(FedAvg):
             if lost and self.reports and self.reports[-1].get("round") == server_round:
                 self.reports[-1]["unavailable_nodes"] = list(lost)
         self.server_metrics[server_round] = metric_record(result.report["server_metrics"])
-        log(INFO, "%s round %s server-side metrics: %s", self.aggregator.label, server_round,
+        log(DEBUG, "%s round %s server-side metrics: %s", self.aggregator.label, server_round,
             dict(self.server_metrics[server_round]))
         return numpy_to_arrays(result.model), self._train_metrics(result)
 
