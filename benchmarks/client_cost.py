@@ -6,9 +6,9 @@ Measures, on one data set in one run, with FedNet's 28x28x1 variant:
 - the Fisher pass of ``diagonal_fisher`` (per-layer closed forms, ``method="auto"``);
 - the same with plain ``torch.func`` (``vmap`` of a ``vjp`` over examples, ``method="vmap"``);
 - the naive per-example loop (``method="loop"``), on the same examples;
-- the Fisher pass of the baseline revision (``--baseline-rev``), for a before/after ratio;
+- the Fisher pass of the baseline code (``--baseline-rev``), for a ratio against it;
 
-and checks the targets: Fisher pass <= 1.2x an epoch, and >= 10x faster than the loop. The
+and reports the Fisher pass as a multiple of one epoch and its speed-up over the loop. The
 data are real Fashion-MNIST training images when the Debian package's IDX files are
 installed, else random inputs of that shape. Lazy initialisation (the first optimizer
 step imports torch._dynamo) is excluded by a warm-up.
@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
+from benchmarks.portable import command_line  # noqa: E402
 
 from fedfiot_flwr.fisher import diagonal_fisher
 from fedfiot_flwr.models import build_model
@@ -93,7 +94,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="runs of the epoch and of the fast Fisher pass")
-    parser.add_argument("--baseline-rev", default=DEFAULT_BASELINE_REV, help="git revision of the 'before' Fisher pass")
+    parser.add_argument("--baseline-rev", default=DEFAULT_BASELINE_REV, help="git revision of the baseline Fisher pass")
     parser.add_argument("--skip-loop", action="store_true", help="skip the (slow) naive loop")
     args = parser.parse_args()
     if args.threads:
@@ -132,7 +133,7 @@ def main() -> None:
         best["epoch"], best["auto"], best["old"])
     rows = [("one local training epoch (SGD, batch %d)" % args.batch_size, t_epoch, c_epoch),
             ("Fisher pass, per-layer closed forms (`method=\"auto\"`)", t_auto, c_auto),
-            (f"Fisher pass before (revision `{args.baseline_rev}`)", t_old, c_old)]
+            ("Fisher pass, baseline code (`--baseline-rev`, `benchmarks/baseline_code.py`)", t_old, c_old)]
     t_vmap = c_vmap = None
     if not args.skip_vmap:
         fisher_vmap, t_vmap, c_vmap = timed(diagonal_fisher, model, eval_dl, method="vmap")
@@ -170,14 +171,12 @@ def main() -> None:
     ratio_cpu, speedup_cpu = c_auto / c_epoch, c_loop / c_auto
     lines += [
         "",
-        "Targets (wall / CPU):",
+        "Ratios (wall / CPU):",
         "",
-        f"- Fisher pass <= 1.2x one epoch: {ratio_epoch:.2f}x / {ratio_cpu:.2f}x -> "
-        f"{'met' if max(ratio_epoch, ratio_cpu) <= 1.2 else 'NOT met'} (before: {t_old / t_epoch:.2f}x / "
-        f"{c_old / c_epoch:.2f}x; after / before {t_auto / t_old:.2f} / {c_auto / c_old:.2f})",
+        f"- Fisher pass / one epoch: {ratio_epoch:.2f}x / {ratio_cpu:.2f}x (baseline code: {t_old / t_epoch:.2f}x / "
+        f"{c_old / c_epoch:.2f}x; this pass / the baseline's {t_auto / t_old:.2f} / {c_auto / c_old:.2f})",
         *([] if args.skip_loop else [
-            f"- Fisher pass >= 10x faster than the naive loop: {speedup:.1f}x / {speedup_cpu:.1f}x -> "
-            f"{'met' if min(speedup, speedup_cpu) >= 10 else 'NOT met'}"]),
+            f"- Fisher pass against the naive loop: {speedup:.1f}x / {speedup_cpu:.1f}x faster"]),
     ]
     if t_vmap is not None and c_vmap is not None:
         lines.append(f"- per-layer closed forms vs plain vmap: {t_vmap / t_auto:.1f}x / {c_vmap / c_auto:.1f}x faster")
@@ -185,10 +184,10 @@ def main() -> None:
         "",
         "Agreement (max over tensors of max |difference| / max |reference|, float32): "
         + ("" if args.skip_loop else f"auto vs loop {max_rel_diff(fisher_auto, fisher_loop):.1e}, ")
-        + f"auto vs before {max_rel_diff(fisher_auto, fisher_old):.1e}"
+        + f"auto vs baseline {max_rel_diff(fisher_auto, fisher_old):.1e}"
         + (f", vmap vs loop {max_rel_diff(fisher_vmap, fisher_loop):.1e}" if t_vmap is not None else ""),
         "",
-        f"Command: `python benchmarks/client_cost.py {' '.join(sys.argv[1:])}`".rstrip(),
+        f"Command: `{command_line(interpreter='python')}`",
         "",
     ]
     text = "\n".join(lines)

@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out_json = args.out / f"{args.name}.json"
     if out_json.is_file():  # resume: keep the settings already run
         records = json.loads(out_json.read_text())["records"]
-    command = "python benchmarks/equal_terms.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = H.command_line(argv, __file__, interpreter="python")
     for e in args.epochs:
         for a in args.alphas:
             for init in args.inits:

@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
+from benchmarks.portable import portable_config  # noqa: E402
 from fedfiot_flwr.data import canonical_name  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
 
@@ -216,9 +217,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log = H.setup_logging(not args.quiet)
     start = time.perf_counter()
     payload: dict[str, Any] = {
-        "command": H.command_line() if argv is None else "benchmarks/few_round.py " + " ".join(argv),
+        "command": H.command_line(argv, __file__),
         "machine": H.machine_description(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "records": [],
+        "config": portable_config(vars(args)), "records": [],
     }
     state: dict[str, Any] = {"device": default_device()}
     args.out.mkdir(parents=True, exist_ok=True)

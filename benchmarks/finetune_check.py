@@ -5,8 +5,9 @@ another. Here the 500 validation examples are split into the strategy's fitting 
 selection fold (125) and an audit fold (125) that neither fits nor selects (``audit_folds.py``). FedFiOT's default merge is chosen on the selection fold, then refined twice
 on the fitting fold:
 
-- ``previous``: the earlier default (10 epochs at a constant learning rate, 3 augmented copies,
-  every other epoch's checkpoint and the least-squares starts offered as candidates);
+- the short run (rule ``previous`` in the JSON, "10 epochs, constant" on the page): 10 epochs at a
+  constant learning rate, 3 augmented copies, every other epoch's checkpoint and the least-squares
+  starts offered as candidates;
 - the longer run (20 epochs, cosine learning rate, 8 augmented copies), from which three
   choice rules are read off the same candidates:
 
@@ -42,11 +43,13 @@ from fedfiot_flwr.refine import RefineOptions  # noqa: E402
 
 PREVIOUS = RefineOptions(finetune_epochs=10, augment_copies=3, finetune_schedule="constant", checkpoint_every=2,
                          offer_starts=True)
-"""The refinement's fine-tuning before this comparison."""
+"""The short run: 10 epochs at a constant learning rate (rule ``previous``)."""
 LONGER = RefineOptions(finetune_epochs=20, augment_copies=8, finetune_schedule="cosine", checkpoint_every=2,
                        offer_starts=True)
 """The longer, annealed run; its candidates serve every ``cosine`` rule below."""
 RULES = ("previous", "cosine, every 2", "cosine, last", "cosine, last, starts only")
+RULE_LABELS = {"previous": "10 epochs, constant"}
+"""How the results page names a rule (the JSON keeps the rule's key)."""
 
 
 def _pick(scores: dict[str, float], names: list[str]) -> str:
@@ -90,7 +93,7 @@ def run_cell(cell: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
 
 
 def markdown(recs: list[dict[str, Any]]) -> str:
-    head = "| alpha | init | E | seed | " + " | ".join(f"{r}: audit / test" for r in RULES) + " |"
+    head = "| alpha | init | E | seed | " + " | ".join(f"{RULE_LABELS.get(r, r)}: audit / test" for r in RULES) + " |"
     lines = [head, "|---|---|---|---|" + "---:|" * len(RULES)]
     for rec in recs:
         cells = [f"{100 * rec['rules'][r]['audit']:.1f} / {100 * rec['rules'][r]['test']:.1f}" for r in RULES]
@@ -102,10 +105,10 @@ def markdown(recs: list[dict[str, Any]]) -> str:
     lines.append("")
     for r in RULES[1:]:
         gain = [x["rules"][r]["audit"] - b for x, b in zip(recs, base)]
-        lines.append(f"- {r}: audit {100 * np.mean(gain):+.2f} points against `previous` "
+        lines.append(f"- {r}: audit {100 * np.mean(gain):+.2f} points against `{RULE_LABELS['previous']}` "
                      f"({sum(g > 0 for g in gain)} up, {sum(g < 0 for g in gain)} down of {len(gain)}).")
     secs = [x["longer_seconds"] / x["previous_seconds"] for x in recs]
-    lines.append(f"- Refinement time of the longer run against `previous`, same process: {np.mean(secs):.2f}x "
+    lines.append(f"- Refinement time of the longer run against `{RULE_LABELS['previous']}`, same process: {np.mean(secs):.2f}x "
                  f"({min(secs):.2f}-{max(secs):.2f}x).")
     return "\n".join(lines) + "\n"
 

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import platform
-import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,6 +31,7 @@ import torch
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from torch.utils.data import DataLoader
 
+from benchmarks import portable
 from fedfiot_flwr.app_config import AppConfig
 from fedfiot_flwr.wire import pack_reply
 from fedfiot_flwr.data import FederatedSplit
@@ -933,9 +933,15 @@ def machine_description() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}, flwr {flwr.__version__}, numpy {np.__version__}")
 
 
-def command_line() -> str:
-    """The command that is running, as one shell line relative to the repository root."""
-    return ".venv/bin/python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT.parent), *sys.argv[1:]])
+def command_line(argv: Sequence[str] | None = None, script: str | None = None,
+                 interpreter: str = ".venv/bin/python") -> str:
+    """The command that is running, as one shell line run from the repository root.
+
+    ``argv`` defaults to this process's arguments (``script`` to its script). Paths inside the
+    repository are written relative to its root, paths outside it as placeholders
+    (``--cache-dir <cache-dir>``, ``--out <out-dir>``): see :mod:`benchmarks.portable`.
+    """
+    return portable.command_line(argv, script, interpreter)
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -1051,12 +1057,15 @@ def knob_text(knobs: Mapping[str, Any]) -> str:
 
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:
-    """Write JSON atomically (NaN as null)."""
-    def clean(x: Any) -> Any:
+    """Write JSON atomically (NaN as null; a path relative to the repository root or as a placeholder)."""
+    def clean(x: Any, key: str = "") -> Any:
         if isinstance(x, float) and not math.isfinite(x):
             return None
+        if isinstance(x, os.PathLike) or (isinstance(x, str) and os.path.isabs(x)):
+            # A path is recorded relative to the repository, or as a placeholder outside it.
+            return portable.portable_path(x, portable.CONFIG_PLACEHOLDERS.get(key, "<path>"))
         if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
+            return {k: clean(v, k) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
             return [clean(v) for v in x]
         if isinstance(x, (np.floating, np.integer)):

@@ -21,6 +21,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.portable import command_line  # noqa: E402
+
 RESULT = ROOT / "benchmarks" / "results" / "many_supernodes.md"
 
 
@@ -66,7 +71,7 @@ def main() -> int:
                                                          or "valid" in k2)}, indent=1),
         "```",
         "",
-        f"Command: `python benchmarks/many_supernodes.py {' '.join(sys.argv[1:])}`".rstrip(),
+        f"Command: `{command_line(interpreter='python')}`",
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Merge scale: time and memory against the number of clients K, wide layers, and a 129M-parameter model.
 
-Sections (each timed in one process, the baseline revision interleaved with the current code):
+Sections (each timed in one process, the baseline engine (``--baseline-rev``) interleaved with this one):
 
 - ``--clients``: the paper's CNN (conv 32-64, fc 512-128-10, 940k parameters), float32 uploads
   around a shared model, S = 8, K in {6, 20, 50, 100}: seconds per merge and tracemalloc peak
@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
 from benchmarks.merge_speed import cpu_timed  # noqa: E402
+from benchmarks.portable import command_line  # noqa: E402
 from fedfiot_flwr.merge import PermutationSpec, cnn_spec, merge  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "merge_scale.md"
@@ -109,8 +110,9 @@ def clients_section(ks: list[int], baseline_max_k: int, base_merge: Any, repeats
         "'per client' columns: seconds / K, relative to the first row (1.0 = linear in K). "
         "Times: process CPU seconds (one thread), minimum of interleaved repeats.",
         "",
-        "| K | uploads (MB) | before (s) | after (s) | after, float32 costs (s) | speed-up | after per client vs K=%d "
-        "| before: peak extra / uploads | after: peak extra / uploads | float32 = float64 model | iterations |" % k0["K"],
+        "| K | uploads (MB) | baseline (s) | this engine (s) | float32 costs (s) | speed-up | per client vs K=%d "
+        "| baseline: peak extra / uploads | this engine: peak extra / uploads | float32 = float64 model | iterations |"
+        % k0["K"],
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
@@ -148,7 +150,7 @@ def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool, na
     rows = []
     if run_baseline:
         t, res = cpu_timed(lambda: base_merge(models, fishers, spec, **opts))
-        rows.append(("before (baseline revision): float64, scipy", t, res))
+        rows.append(("baseline engine: float64, scipy", t, res))
         print(rows[-1][:2], flush=True)
     best: dict[str, tuple[float, Any]] = {}
     for _ in range(repeats):  # interleaved; the minimum is kept
@@ -276,7 +278,7 @@ def main() -> None:
                        ("vgg", lambda: vgg_section(6, args.vgg_iters))):
         if getattr(args, flag):
             lines = make()
-            lines.append(f"\nCommand: `python benchmarks/merge_scale.py {' '.join(sys.argv[1:])}` "
+            lines.append(f"\nCommand: `{command_line(interpreter='python')}` "
                          f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
             sections = {h: v for h, v in sections.items() if not h.startswith(lines[0][:12])}
             sections[lines[0]] = lines
@@ -284,7 +286,7 @@ def main() -> None:
         "# Merge scale (benchmarks/merge_scale.py)",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other jobs, "
-        f"numpy {np.__version__}; baseline: revision `{args.baseline_rev}` of this repository, same process. "
+        f"numpy {np.__version__}; baseline: the engine of `--baseline-rev` (default set in `benchmarks/baseline_code.py`), same process. "
         f"Last run took {time.process_time() - started:.0f} s.",
         "",
         *[line for lines in sections.values() for line in (*lines, "")],

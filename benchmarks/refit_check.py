@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for cell in args.cells:
         recs.append(run_cell(cell, args, print))
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{args.name}.json").write_text(json.dumps({"command": " ".join(sys.argv), "records": recs},
+        (args.out / f"{args.name}.json").write_text(json.dumps({"command": H.command_line(argv, __file__), "records": recs},
                                                                indent=1))
         (args.out / f"{args.name}.md").write_text(markdown(recs))
     return recs

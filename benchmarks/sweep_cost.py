@@ -1,14 +1,14 @@
-"""Cost of one round of the default selection (the validation sweep): before, previous and now.
+"""Cost of one round of the default selection (the validation sweep), with and without each piece of shared work.
 
 On the benchmark's cached one-shot uploads (trained on first use, see :mod:`benchmarks.harness`),
 for each setting this runs, in one process:
 
 - one merge of the default candidate with the baseline engine (the unit, "merges' worth"):
   after one warm-up call, the minimum of three;
-- the baseline revision's ``merge_round`` ("before": every candidate validates and converts the
+- the baseline engine's ``merge_round`` (``--baseline-rev``, "baseline": every candidate validates and converts the
   uploads, tempers the Fisher, builds each cost-GEMM input every inner iteration, validates every
   model);
-- the previous revision's ``merge_round`` ("previous": shared preparation, tempering, identity
+- the ``merge_round`` of ``--previous-rev`` ("shared preparation": shared preparation, tempering, identity
   merges and validations, but every candidate aligns from scratch);
 - the current ``merge_round``: float64 (exact: alignment iterations and aligned merges shared
   between candidates that reach the same state, bit-identical); with certified warm-started
@@ -43,6 +43,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
+from benchmarks.portable import command_line  # noqa: E402
 from fedfiot_flwr.merge.lap import lapjv_available  # noqa: E402
 from fedfiot_flwr.server.selection import merge_round  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
@@ -92,10 +93,10 @@ def differing_trials(a: Any, b: Any) -> int:
 
 
 VARIANTS = {  # label -> options of the current merge_round
-    "now, float64": {},
-    "now, certify": {"certify": True},
-    "now, f32 + LAPJV + certify": {"cost_dtype": "float32", "lap_solver": "lapjv", "certify": True},
-    "now, warm starts (opt-in) + f32 + LAPJV + certify": {"cost_dtype": "float32", "lap_solver": "lapjv",
+    "float64": {},
+    "certify": {"certify": True},
+    "f32 + LAPJV + certify": {"cost_dtype": "float32", "lap_solver": "lapjv", "certify": True},
+    "warm starts (opt-in) + f32 + LAPJV + certify": {"cost_dtype": "float32", "lap_solver": "lapjv",
                                                          "certify": True, "warm_start": True},
 }
 
@@ -138,7 +139,7 @@ def main() -> None:
                 units.append(time.process_time() - t0)
             t_merge = min(units[1:])
             old, t_old, c_old = run_sweep(base_round, uploads, spec, buffers, plan, ev.validate)
-            runs = {"previous": run_sweep(prev_round, uploads, spec, buffers, plan, ev.validate)}
+            runs = {"shared preparation": run_sweep(prev_round, uploads, spec, buffers, plan, ev.validate)}
             for label, options in variants.items():
                 runs[label] = run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate, **options)
             row = {
@@ -148,7 +149,7 @@ def main() -> None:
                 "runs": {label: {"s": t, "val": c.calls, "val_s": c.seconds, "same": same_choice(old, out),
                                  "differ": differing_trials(old, out)}
                          for label, (out, t, c) in runs.items()},
-                "choice": f"{runs['now, float64'][0].candidate.label()} ({runs['now, float64'][0].variant})",
+                "choice": f"{runs['float64'][0].candidate.label()} ({runs['float64'][0].variant})",
             }
             rows.append(row)
             print(row, flush=True)
@@ -158,12 +159,14 @@ def main() -> None:
 def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Append the rows' lines to the result file's tables (or start them)."""
     header = [
-        "# One round of the default selection: cost before, previous and now (benchmarks/sweep_cost.py)",
+        "# One round of the default selection: cost of each shared-work option (benchmarks/sweep_cost.py)",
         "",
         f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared), "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, numpy {np.__version__}",
-        f"- before: revision `{args.baseline_rev}`; previous: revision `{args.previous_rev}` (every candidate "
-        "aligned from scratch); both run in the same process as the current code",
+        "- baseline: the engine of `--baseline-rev` (default set in `benchmarks/baseline_code.py`): every candidate checks and converts the uploads, tempers the Fisher, "
+        "rebuilds each cost-GEMM input every inner iteration and validates every model; shared preparation: the "
+        "engine of `--previous-rev` (preparation, tempering, identity merges and validations shared; every "
+        "candidate aligned from scratch); both run in the same process as this engine",
         "- uploads: the one-shot benchmark's cached 16-bit uploads (K = 6, alpha = 0.1, seed "
         f"{args.seed}; digits {EPOCHS['digits']} local epochs, Fashion-MNIST {EPOCHS['fashion-mnist']}); plan "
         "`fedfiot-default` (the default preset: rho x lam x reference x Fisher scaling, aligned / identity / "
@@ -187,7 +190,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         summary.append(f"| {r['setting']} | {r['params']:,} | {r['trials']} | {r['merge']:.3f} | "
                        f"{r['val_s']:.3f} | {r['choice']} |")
         old_val = r["val_s"] * r["val_old"]
-        table.append(f"| {r['setting']} | before | {r['old']:.2f} | {r['old'] / r['merge']:.1f} | {r['val_old']} | "
+        table.append(f"| {r['setting']} | baseline | {r['old']:.2f} | {r['old'] / r['merge']:.1f} | {r['val_old']} | "
                      f"{old_val:.2f} | {(r['old'] - old_val) / r['merge']:.1f} | - | - |")
         for label, v in r["runs"].items():
             table.append(f"| {r['setting']} | {label} | {v['s']:.2f} | {v['s'] / r['merge']:.1f} | {v['val']} | "
@@ -201,7 +204,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         summary = summary[:2] + old_summary + summary[2:]
         table = table[:2] + old_table + table[2:]
     lines = [*header, *summary, "", *table, "",
-             f"Command: `python benchmarks/sweep_cost.py {' '.join(sys.argv[1:])}`".rstrip(), ""]
+             f"Command: `{command_line(interpreter='python')}`", ""]
     text = "\n".join(lines)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

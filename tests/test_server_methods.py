@@ -1,4 +1,4 @@
-"""Benchmark rows that use server data: fold split, the target table, and combining result files."""
+"""Benchmark rows that use server data: fold split, the comparison table, and combining result files."""
 
 from __future__ import annotations
 
@@ -30,14 +30,16 @@ def _rec(method: str, acc: float, seed: int = 0, init: str = "shared") -> dict:
             "test_accuracy": acc, "validation_accuracy": acc, "knobs": {}}
 
 
-def test_default_targets_flags_a_missed_margin_and_a_seed_below_the_best_client() -> None:
+def test_default_comparison_gives_the_margin_and_the_seeds_above_the_best_client() -> None:
     recs = [_rec("fedfiot-refined", 0.80), _rec("regmean", 0.79), _rec("best-single-client", 0.70),
             _rec("fedfiot-refined", 0.80, init="independent"), _rec("regmean", 0.70, init="independent"),
             _rec("best-single-client", 0.81, init="independent")]
-    rows = [line for line in S.default_targets({"records": recs}).splitlines() if line.startswith("| fashion")]
+    table = S.default_comparison({"records": recs})
+    rows = [line for line in table.splitlines() if line.startswith("| fashion")]
     shared, independent = rows
-    assert "+1.0 | **no** | yes" in shared  # RegMean + 1 point: margin missed
-    assert "-1.0 | **no** | **no**" in independent  # below the best single client
+    assert shared.endswith("| RegMean | +1.0 | 1/1 |")  # one point above RegMean, above the best client
+    assert independent.endswith("| -1.0 | 0/1 |")  # the best single client is the best rival here
+    assert "met" not in table and "**no**" not in table and "yes" not in table
 
 
 def test_combine_keeps_the_later_record_of_a_duplicate() -> None:
