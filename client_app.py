@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader
 
 from fedfiot_flwr.app_config import AppConfig
+from fedfiot_flwr.batches import default_device
 from fedfiot_flwr.client import curvature_reply, train_and_pack
 from fedfiot_flwr.task import evaluate
 from fedfiot_flwr.task import train as local_train
@@ -75,7 +76,7 @@ def train(msg: Message, context: Context) -> Message:
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + 7919 * server_round + pid)
     loader = DataLoader(split.clients[pid], batch_size=int(config.get("batch-size", cfg.batch_size)),
                         shuffle=True, generator=gen)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     torch.manual_seed(cfg.seed * 100_003 + 7919 * server_round + pid)
     # The Fisher runs over the same examples without augmentation (paper, eq. 106).
     fisherloader = DataLoader(split.client_eval(pid), batch_size=256)
@@ -112,7 +113,7 @@ def evaluate_local(msg: Message, context: Context) -> Message:
     split = cfg.split()
     model = cfg.build_model(split)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     data = split.client_eval(pid)
     loss, acc = evaluate(model, DataLoader(data, batch_size=512), device=device)
     metrics = MetricRecord({"eval-loss": float(loss), "eval-accuracy": float(acc), "num-examples": len(data)})

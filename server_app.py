@@ -22,6 +22,7 @@ from flwr.supercore import log
 from torch.utils.data import DataLoader, Dataset
 
 from fedfiot_flwr.app_config import AppConfig
+from fedfiot_flwr.batches import default_device
 from fedfiot_flwr.models import permutation_spec
 from fedfiot_flwr.refine import RefineOptions
 from fedfiot_flwr.server import FedFiOT, FedFiOTConfig, FedFisherStrategy, MergeStrategy, RegMeanStrategy, RunRecorder
@@ -166,7 +167,7 @@ def build_strategy(
 def main(grid: Grid, context: Context) -> None:
     """Build the data split, the model and the strategy, run it recorded, and report it against FedAvg."""
     cfg = _resolve_federation(grid, AppConfig.from_run_config(context.run_config))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     split = cfg.split()
     model = cfg.build_model(split)
     eval_model = cfg.build_model(split)

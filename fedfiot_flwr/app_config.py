@@ -19,8 +19,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from .merge import FISHER_SCALINGS
-from .merge.validate import AGGREGATIONS, MATCHINGS
+from fedfiot_flwr.options import (
+    AGGREGATIONS,
+    CLIENT_FISHER_KINDS,
+    FISHER_SCALINGS,
+    INITS,
+    MATCHINGS,
+    PRESETS,
+    REFERENCES,
+    SELECTIONS,
+    STRATEGIES,
+)
+
 from .models import MODEL_NAMES, is_model_name
 
 if TYPE_CHECKING:
@@ -28,15 +38,6 @@ if TYPE_CHECKING:
 
     from .data import FederatedSplit
 
-INITS = ("shared", "independent")
-STRATEGIES = ("fedfiot", "fedfisher-kfac", "fedfisher-diag", "regmean")
-"""Values of the ``strategy`` key: FedFiOT or one of the paper's one-shot baselines."""
-FISHER_KINDS = ("true", "empirical", "sampled")
-PRESETS = ("default", "paper")
-"""Values of ``preset``: :meth:`fedfiot_flwr.FedFiOTConfig.default` or ``.paper``."""
-FALLBACKS = ("objective", "validation", "none")
-"""Values of ``fallback`` (the FedFiOT configuration's ``selection``)."""
-REFERENCES = ("largest", "broadcast")
 
 
 def parse_float_list(text: str | Sequence[float], name: str) -> tuple[float, ...]:
@@ -140,7 +141,7 @@ def rules() -> dict[str, Rule]:
         "aggregation": Rule(_one_of(AGGREGATIONS), lambda v: v in AGGREGATIONS),
         "fisher_scaling": Rule(_one_of(FISHER_SCALINGS), lambda v: v in FISHER_SCALINGS),
         "preset": Rule(_one_of(PRESETS), lambda v: v in PRESETS),
-        "fallback": Rule(_one_of(FALLBACKS) + ", or empty (the preset's)", lambda v: v == "" or v in FALLBACKS),
+        "fallback": Rule(_one_of(SELECTIONS) + ", or empty (the preset's)", lambda v: v == "" or v in SELECTIONS),
         "sweep": Rule("true or false", lambda v: isinstance(v, bool)),
         "server_refine": Rule("true or false", lambda v: isinstance(v, bool)),
         "sweep_rho": Rule("comma-separated numbers in (0, 1], e.g. '0.3,0.5'",
@@ -153,8 +154,8 @@ def rules() -> dict[str, Rule]:
                                      + ", or empty (the preset's)",
                                      lambda v: v == "" or _names_within(v, FISHER_SCALINGS)),
         "strategy": Rule(_one_of(STRATEGIES), lambda v: v in STRATEGIES),
-        "fisher_kind": Rule(_one_of(FISHER_KINDS) + ", or empty (the strategy's own)",
-                            lambda v: v == "" or v in FISHER_KINDS),
+        "fisher_kind": Rule(_one_of(CLIENT_FISHER_KINDS) + ", or empty (the strategy's own)",
+                            lambda v: v == "" or v in CLIENT_FISHER_KINDS),
         "fedfisher_steps": Rule("an integer >= 0", lambda v: v >= 0),
         "results_dir": Rule("a directory path", lambda v: isinstance(v, str)),
         "run_name": Rule("a name, or empty (derived from the settings and the time)", lambda v: isinstance(v, str)),

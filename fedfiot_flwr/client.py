@@ -24,6 +24,7 @@ import torch
 from flwr.app import RecordDict
 from torch import nn
 
+from fedfiot_flwr.batches import resolve_device
 from fedfiot_flwr.fisher import FISHER_KINDS, diagonal_fisher
 from fedfiot_flwr.task import split_batch, train
 from fedfiot_flwr.wire import (  # re-exported: the client half of the wire format
@@ -63,9 +64,7 @@ UPLOAD_KINDS = ("fedfiot", "fedfisher-diag", "fedfisher-kfac", "regmean")
 
 
 def _device(device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device(device)
 
 
 def count_examples(loader: Iterable[Any]) -> int:

@@ -59,10 +59,11 @@ from torch.func import functional_call, vjp, vmap
 
 from fedfiot_flwr.progress import progress_bar
 from fedfiot_flwr.task import split_batch
+from fedfiot_flwr.options import CLIENT_FISHER_KINDS
 
 __all__ = ["FISHER_KINDS", "FISHER_METHODS", "diagonal_fisher", "output_vectors", "supported_modules"]
 
-FISHER_KINDS = ("empirical", "true", "sampled")
+FISHER_KINDS = CLIENT_FISHER_KINDS  # the name the client modules import
 FISHER_METHODS = ("auto", "vmap", "loop")
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 # Largest per-chunk tensor of materialised per-example gradients, in elements.

@@ -58,7 +58,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("sweep-reference", "largest,smallest", "comma-separated names from: largest, broadcast"),
     ("sweep-fisher-scaling", "none,big", "comma-separated names from: none, size"),
     ("strategy", "fedprox", "one of fedfiot, fedfisher-kfac, fedfisher-diag, regmean"),
-    ("fisher-kind", "exact", "one of true, empirical, sampled, or empty"),
+    ("fisher-kind", "exact", "one of empirical, true, sampled, or empty"),
     ("fedfisher-steps", -5, "an integer >= 0"),
     ("results-dir", True, "a directory path"),
 ]

@@ -67,3 +67,19 @@ def test_a_validate_fn_on_a_cached_fold_reads_it_once_and_scores_as_the_loader_d
     assert [cached(a), cached(b), cached(a)] == [plain(a), plain(b), plain(a)]
     assert cached(a) != cached(b)
     assert loader.reads == 1 and plain_loader.reads == 3
+
+
+def test_every_mode_name_is_spelled_once() -> None:
+    """The engine, the strategies and the app check their choices against the one options module."""
+    from fedfiot_flwr import app_config, fisher, options
+    from fedfiot_flwr.merge import costs, lap, prepared, validate
+    from fedfiot_flwr.server import config, selection
+
+    assert prepared.FISHER_SCALINGS is options.FISHER_SCALINGS
+    assert lap.LAP_SOLVERS is options.LAP_SOLVERS and costs.COST_DTYPES is options.COST_DTYPES
+    assert validate.MATCHINGS is options.MATCHINGS and validate.AGGREGATIONS is options.AGGREGATIONS
+    assert config.SELECTIONS is options.SELECTIONS and selection.REFERENCES is options.REFERENCES
+    assert app_config.SELECTIONS is options.SELECTIONS and fisher.FISHER_KINDS is options.CLIENT_FISHER_KINDS
+    assert selection.SweepGrid().rhos is options.DEFAULT_GRID_RHOS
+    with pytest.raises(ValueError, match=r"selection must be one of \('objective', 'validation', 'none'\)"):
+        config.FedFiOTConfig(selection="accuracy")

@@ -46,8 +46,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fedfiot_flwr.batches import resolve_device
 from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
 from fedfiot_flwr.psd import KFACFactors, layer_matrix
+from fedfiot_flwr.options import Model
 
 __all__ = [
     "OPTIMIZERS",
@@ -60,7 +62,6 @@ __all__ = [
 OPTIMIZERS = ("fedfisher", "adam")
 """``"fedfisher"``: the update of FedFisher's code (default); ``"adam"``: ``torch.optim.Adam``."""
 
-Model = dict[str, np.ndarray]
 Evaluate = Callable[[Model], float]
 
 
@@ -117,9 +118,7 @@ def kfac_quadratic(delta: np.ndarray, A: np.ndarray, G: np.ndarray) -> float:
 
 
 def _resolve(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return resolve_device(device)
 
 
 def _check_optim(steps: int, lr: float, eval_every: int, damping: float, optimizer: str) -> None:

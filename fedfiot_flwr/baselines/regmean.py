@@ -36,13 +36,13 @@ import scipy.linalg
 
 from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
 from fedfiot_flwr.psd import InputGram, layer_matrix
+from fedfiot_flwr.options import Model
 
 __all__ = ["REGMEAN_ALPHAS", "RegMeanResult", "regmean_merge", "regmean_select", "scale_off_diagonal"]
 
 REGMEAN_ALPHAS: tuple[float, ...] = (0.1, 0.9)
 """The paper's off-diagonal scalings, selected on validation data."""
 
-Model = dict[str, np.ndarray]
 
 
 @dataclass

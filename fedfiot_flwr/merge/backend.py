@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-BACKENDS = ("numpy", "torch")
-COST_DTYPES = ("float64", "float32")
+from fedfiot_flwr.options import BACKENDS
+
 
 
 class NumpyBackend:

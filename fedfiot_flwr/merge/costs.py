@@ -12,7 +12,9 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
-from .backend import COST_DTYPES, Backend, NumpyBackend
+from fedfiot_flwr.options import COST_DTYPES
+
+from .backend import Backend, NumpyBackend
 from .lap import assign as _assign
 
 

@@ -13,7 +13,8 @@ from scipy.optimize import linear_sum_assignment
 
 from fedfiot_flwr.extras import require
 
-LAP_SOLVERS = ("scipy", "lapjv", "auto")
+from fedfiot_flwr.options import LAP_SOLVERS
+
 
 
 def lapjv_available() -> bool:

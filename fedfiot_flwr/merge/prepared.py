@@ -18,7 +18,8 @@ import numpy as np
 from .reuse import AlignmentMemo, ModelCache
 from .validate import check_models, check_num_examples
 
-FISHER_SCALINGS = ("none", "size", "normalized", "normalized-size")
+from fedfiot_flwr.options import FISHER_SCALINGS
+
 
 Model = Mapping[str, np.ndarray]
 

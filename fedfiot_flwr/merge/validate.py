@@ -10,9 +10,9 @@ import numpy as np
 
 from ..reply_limits import MAX_NUM_EXAMPLES
 
-MATCHINGS = ("fisher", "euclidean", "none")
-AGGREGATIONS = ("fisher", "uniform", "size")
-FALLBACKS = ("objective", "none")
+from fedfiot_flwr.options import AGGREGATIONS, BACKENDS, COST_DTYPES, MATCHINGS, MERGE_FALLBACKS
+
+
 
 
 def _label(client_ids: Sequence[str], k: int) -> str:
@@ -33,13 +33,12 @@ def check_options(
         raise ValueError(f"matching must be one of {MATCHINGS}, got {matching!r}")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    if fallback not in FALLBACKS:
-        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if fallback not in MERGE_FALLBACKS:
+        raise ValueError(f"fallback must be one of {MERGE_FALLBACKS}, got {fallback!r}")
 
 
 def check_speed_options(cost_dtype: str, backend: str, lap_solver: str) -> None:
     """Validate the merge's speed options (they never change what is computed, only how)."""
-    from .backend import BACKENDS, COST_DTYPES
     from .lap import LAP_SOLVERS
 
     if cost_dtype not in COST_DTYPES:

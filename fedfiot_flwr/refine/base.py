@@ -20,9 +20,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fedfiot_flwr.options import Model
+
 __all__ = ["ModelMapStage", "PostMergeStage", "StageResult"]
 
-Model = dict[str, np.ndarray]
 Permutations = Mapping[str, Sequence[np.ndarray]]
 
 

@@ -42,10 +42,10 @@ from fedfiot_flwr.refine.ops import (
     repair,
 )
 from fedfiot_flwr.refine.options import RefineOptions
+from fedfiot_flwr.options import Model
 
 __all__ = ["RefineReport", "refine_merged_model"]
 
-Model = dict[str, np.ndarray]
 
 
 @dataclass

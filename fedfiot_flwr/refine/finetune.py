@@ -5,17 +5,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedfiot_flwr.refine.ops import model_state
 from fedfiot_flwr.refine.options import RefineOptions
+from fedfiot_flwr.options import Model
 
 __all__ = ["distill_finetune"]
 
-Model = dict[str, np.ndarray]
 
 
 def distill_finetune(

@@ -19,6 +19,7 @@ from torch import nn
 from fedfiot_flwr.batches import split_batch
 from fedfiot_flwr.batchnorm import has_batchnorm, recompute_batchnorm_statistics
 from fedfiot_flwr.refine.linalg import LayerMoments, NeuronStats, reconstruction_error, repair_rescale, ridge_refit
+from fedfiot_flwr.options import Model
 
 __all__ = [
     "Capture",
@@ -35,7 +36,6 @@ __all__ = [
     "repair",
 ]
 
-Model = dict[str, np.ndarray]
 
 
 # --------------------------------------------------------------------------------- models

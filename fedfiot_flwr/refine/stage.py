@@ -33,10 +33,10 @@ from fedfiot_flwr.refine.candidates import RefineReport, refine_merged_model
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.refine.base import StageResult
 from fedfiot_flwr.validation import ValidateFn, make_validate_fn
+from fedfiot_flwr.options import Model
 
 __all__ = ["RefinementStage", "describe_candidate", "fold_subsets", "split_folds"]
 
-Model = dict[str, np.ndarray]
 logger = logging.getLogger("flwr")
 
 

@@ -27,6 +27,8 @@ from fedfiot_flwr.reply_limits import fisher_bound_for
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.selection import Candidate, merge_round
 from fedfiot_flwr.server.uploads import CollectedUploads
+from fedfiot_flwr.options import FEDFISHER_VARIANTS, SERVER_FISHER_KINDS
+from fedfiot_flwr.options import Model
 
 __all__ = [
     "AggregateOutcome",
@@ -38,11 +40,8 @@ __all__ = [
     "RoundContext",
 ]
 
-Model = dict[str, np.ndarray]
 Validate = Callable[[Model], Mapping[str, float] | None]
 
-FEDFISHER_VARIANTS = ("kfac", "diag")
-FISHER_KINDS = ("true", "empirical")
 
 
 @dataclass(frozen=True)
@@ -336,8 +335,8 @@ class FedFisherAggregator:
 
         if variant not in FEDFISHER_VARIANTS:
             raise ValueError(f"FedFisher variant must be one of {FEDFISHER_VARIANTS}, got {variant!r}")
-        if fisher_kind is not None and fisher_kind not in FISHER_KINDS:
-            raise ValueError(f"fisher_kind must be one of {FISHER_KINDS} or None, got {fisher_kind!r}")
+        if fisher_kind is not None and fisher_kind not in SERVER_FISHER_KINDS:
+            raise ValueError(f"fisher_kind must be one of {SERVER_FISHER_KINDS} or None, got {fisher_kind!r}")
         if fisher_scaling not in ("size", "none"):
             raise ValueError(f"fisher_scaling must be 'size' or 'none', got {fisher_scaling!r}")
         if optimizer not in OPTIMIZERS:

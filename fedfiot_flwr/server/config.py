@@ -29,13 +29,11 @@ from typing import Any
 from fedfiot_flwr.merge import FISHER_SCALINGS
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
 from fedfiot_flwr.merge.validate import check_options, check_speed_options
-from fedfiot_flwr.server.selection import FALLBACKS, REFERENCES, SweepGrid
+from fedfiot_flwr.options import REFERENCES, SELECTIONS
+from fedfiot_flwr.server.selection import SweepGrid
 
 __all__ = ["FedFiOTConfig", "SELECTIONS"]
 
-SELECTIONS = FALLBACKS
-"""``"objective"`` (the paper's identity rule), ``"validation"`` (aligned vs identity [vs FedAvg] on
-validation data) or ``"none"`` (always the aligned merge)."""
 
 
 @dataclass(frozen=True)

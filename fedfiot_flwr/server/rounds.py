@@ -22,10 +22,10 @@ from fedfiot_flwr.refine.base import PostMergeStage, StageResult
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
 from fedfiot_flwr.server.aggregators import AggregateOutcome, Aggregator, RoundContext, describe_fedfiot_choice
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads, require_enough, weighted_mean_metrics
+from fedfiot_flwr.options import Model
 
 __all__ = ["RoundMerger", "RoundResult", "jsonable"]
 
-Model = dict[str, np.ndarray]
 ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float] | None]
 
 

@@ -22,16 +22,15 @@ import numpy as np
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.merge.robust import cap_fishers
 from fedfiot_flwr.server.warm_starts import WarmStarts
+from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_REFERENCES, DEFAULT_GRID_RHOS, REFERENCES, SELECTIONS
+from fedfiot_flwr.options import Model
 
 if TYPE_CHECKING:  # the uploads container; kept out of the import graph so this stays Flower-free
     from fedfiot_flwr.server.uploads import CollectedUploads
 
 logger = logging.getLogger("fedfiot_flwr")
 
-REFERENCES = ("largest", "broadcast")
-FALLBACKS = ("objective", "validation", "none")
 
-Model = dict[str, np.ndarray]
 ValidateFn = Callable[[Model], Mapping[str, float] | None]
 
 
@@ -89,9 +88,9 @@ class SweepGrid:
         Any of :data:`fedfiot_flwr.merge.FISHER_SCALINGS`.
     """
 
-    rhos: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
-    lams: tuple[float, ...] = (1e-3, 1e-4, 1e-5)
-    references: tuple[str, ...] = ("largest", "broadcast")
+    rhos: tuple[float, ...] = DEFAULT_GRID_RHOS
+    lams: tuple[float, ...] = DEFAULT_GRID_LAMS
+    references: tuple[str, ...] = DEFAULT_GRID_REFERENCES
     fisher_scalings: tuple[str, ...] = ("none",)
 
     def candidates(self, default: Candidate | None = None, server_round: int = 1) -> list[Candidate]:
@@ -301,8 +300,8 @@ def merge_round(
     """
     if len(uploads) == 0:
         raise ValueError("merge_round needs at least one valid upload")
-    if fallback not in FALLBACKS:
-        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if fallback not in SELECTIONS:
+        raise ValueError(f"fallback must be one of {SELECTIONS}, got {fallback!r}")
     if fallback == "validation" and validate is None:
         logger.warning("FedFiOT: fallback='validation' without a validation function; using the paper's rule")
         fallback = "objective"

@@ -32,6 +32,7 @@ from fedfiot_flwr.server.nodes import NodeWaiter
 from fedfiot_flwr.server.rounds import RoundMerger, RoundResult
 from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.uploads import DUPLICATE_REASON
+from fedfiot_flwr.options import Model
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["MergeResult", "MergeStrategy", "arrays_to_numpy", "buffers_of", "check_sampling", "check_model",
            "metric_record", "numpy_to_arrays"]
 
-Model = dict[str, np.ndarray]
 ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float] | None]
 
 

@@ -1,0 +1,76 @@
+"""Every mode name and default of the package, in one torch-free place.
+
+The merge engine, the strategies, the app's run config and the client import their choices from
+here, so a name is spelled once and a default is set once.
+
+>>> SELECTIONS
+('objective', 'validation', 'none')
+>>> DEFAULT_GRID_RHOS
+(0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "AGGREGATIONS",
+    "BACKENDS",
+    "CLIENT_FISHER_KINDS",
+    "COST_DTYPES",
+    "DEFAULT_GRID_LAMS",
+    "DEFAULT_GRID_REFERENCES",
+    "DEFAULT_GRID_RHOS",
+    "FEDFISHER_VARIANTS",
+    "FISHER_SCALINGS",
+    "INITS",
+    "LAP_SOLVERS",
+    "MATCHINGS",
+    "MERGE_FALLBACKS",
+    "Model",
+    "PRESETS",
+    "REFERENCES",
+    "SELECTIONS",
+    "SERVER_FISHER_KINDS",
+    "STRATEGIES",
+]
+
+Model = dict[str, np.ndarray]
+"""A model as the server sees it: ``state_dict`` names to arrays."""
+
+# --- the merge -------------------------------------------------------------------------------
+MATCHINGS = ("fisher", "euclidean", "none")
+"""Alignment cost: Fisher-weighted (the paper), plain Euclidean, or no alignment."""
+AGGREGATIONS = ("fisher", "uniform", "size")
+"""How aligned neurons are combined: Fisher-weighted (the paper), equal weights, client sizes."""
+FISHER_SCALINGS = ("none", "size", "normalized", "normalized-size")
+"""Per-client Fisher scaling before the merge (``"none"``: the paper)."""
+MERGE_FALLBACKS = ("objective", "none")
+"""The engine's identity rule: the paper's (keep alignment only if it lowers the objective) or none."""
+SELECTIONS = ("objective", "validation", "none")
+"""The strategy's choice between the aligned and the identity merge: the paper's rule, validation data, or always aligned."""
+REFERENCES = ("largest", "broadcast")
+"""The alignment's starting global model: the largest client or this round's broadcast model (or a client index)."""
+BACKENDS = ("numpy", "torch")
+COST_DTYPES = ("float64", "float32")
+LAP_SOLVERS = ("scipy", "lapjv", "auto")
+
+# --- the paper's selection grid ----------------------------------------------------------------
+DEFAULT_GRID_RHOS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+DEFAULT_GRID_LAMS = (1e-3, 1e-4, 1e-5)
+DEFAULT_GRID_REFERENCES = ("largest", "broadcast")
+
+# --- curvature ------------------------------------------------------------------------------
+CLIENT_FISHER_KINDS = ("empirical", "true", "sampled")
+"""What a client can compute: the empirical Fisher (the paper, eq. 106), the true Fisher, or one sampled label per example."""
+SERVER_FISHER_KINDS = ("true", "empirical")
+"""What FedFisher's K-FAC aggregator accepts a reply to declare."""
+FEDFISHER_VARIANTS = ("kfac", "diag")
+
+# --- the app ---------------------------------------------------------------------------------
+INITS = ("shared", "independent")
+"""One broadcast initialisation (the paper's Table 1) or one per client (Table 5)."""
+STRATEGIES = ("fedfiot", "fedfisher-kfac", "fedfisher-diag", "regmean")
+"""Values of the app's ``strategy`` key."""
+PRESETS = ("default", "paper")
+"""Values of the app's ``preset`` key: :meth:`fedfiot_flwr.FedFiOTConfig.default` or ``.paper``."""
