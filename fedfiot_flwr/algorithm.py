@@ -197,7 +197,8 @@ def _reference_client(reference: object, num_examples: Sequence[float] | None, w
         return int(np.argmax(num_examples))
     if isinstance(reference, (int, np.integer)) and not isinstance(reference, bool) and 0 <= reference < len(weights):
         return int(reference)
-    raise ValueError(f"reference must be a client index in [0, {len(weights)}), 'largest' or a model, got {reference!r}")
+    raise ValueError(f"reference must be a client index in [0, {len(weights)}), 'largest' or a model, "
+                     f"got {reference!r}")
 
 
 def _check(weights: Sequence[Model], fishers: Sequence[Model], spec: PermutationSpec, rho: float, lam: float,
@@ -219,7 +220,8 @@ def _check(weights: Sequence[Model], fishers: Sequence[Model], spec: Permutation
         for what, n, t in [("weights", n, t) for n, t in wk.items()] + [("Fisher", n, t) for n, t in fk.items()]:
             t = np.asarray(t)
             if t.shape != shapes[n] or not np.issubdtype(t.dtype, np.number) or not np.all(np.isfinite(t)):
-                raise ValueError(f"client {k}, {what} of {n!r}: need finite numbers of shape {shapes[n]}, got {t.shape}")
+                raise ValueError(f"client {k}, {what} of {n!r}: need finite numbers of shape {shapes[n]}, "
+                                 f"got {t.shape}")
             if what == "Fisher" and np.any(t < 0):
                 raise ValueError(f"client {k}, Fisher of {n!r}: negative entries")
     return spec.sizes(shapes)
