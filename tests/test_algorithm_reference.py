@@ -19,6 +19,7 @@ from torch import nn
 from fedfiot_flwr import algorithm
 from fedfiot_flwr.algorithm import fedfiot_merge
 from fedfiot_flwr.merge import PermutationSpec, apply_permutations, merge, spec_from_module
+from fedfiot_flwr.merge.costs import ClientLayers
 from fedfiot_flwr.models import ResNet20
 
 # The paper's configuration of the engine, with every speed option at its exact setting.
@@ -61,7 +62,8 @@ def _state(name: str, seed: int) -> dict[str, np.ndarray]:
     with torch.no_grad():
         for mod in model.modules():
             if isinstance(mod, nn.BatchNorm2d):  # non-trivial BatchNorm parameters and statistics
-                mod.running_mean.normal_(), mod.running_var.uniform_(0.5, 2.0), mod.weight.normal_(), mod.bias.normal_()
+                mod.running_mean.normal_(), mod.running_var.uniform_(0.5, 2.0)
+                mod.weight.normal_(), mod.bias.normal_()
                 mod.num_batches_tracked.fill_(seed + 1)
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
@@ -137,13 +139,48 @@ def test_alternation_beyond_one_realignment_and_its_cap(uploads: dict, max_iters
     assert changed == (max_iters < 3)
 
 
+def test_the_reference_client_is_realigned_and_carries_its_new_order_into_the_next_group() -> None:
+    # Every client keeps its order against the reference (client 0) in iteration 1; the Fisher-
+    # weighted layer that follows then makes the reference itself swap its hidden neurons, and the
+    # next group must start from the reference's layer with its incoming columns in that new order.
+    spec = PermutationSpec({"fc1.weight": ("P1", None), "fc2.weight": ("P2", "P1"), "fc3.weight": (None, "P2")})
+    def net(fc1: list, fc2: list, fc3: list) -> dict[str, np.ndarray]:
+        return {"fc1.weight": np.array(fc1), "fc2.weight": np.array(fc2), "fc3.weight": np.array(fc3)}
+
+    models = [net([[1.0], [-2.0]], [[-5.0, -3.0], [2.0, -3.0]], [[0.0, 4.0]]),
+              net([[0.0], [4.0]], [[-2.0, -4.0], [-4.0, -2.0]], [[1.0, 2.0]]),
+              net([[1.0], [2.0]], [[3.0, -1.0], [-4.0, 0.0]], [[0.0, 3.0]])]
+    fishers = [net([[0.0], [1.0]], [[0.0, 100.0], [100.0, 1.0]], [[1.0, 0.0]]),
+               net([[100.0], [1.0]], [[1.0, 0.0], [100.0, 100.0]], [[0.0, 10.0]]),
+               net([[10.0], [0.0]], [[100.0, 0.0], [1.0, 100.0]], [[1.0, 1.0]])]
+    options = {"rho": 1.0, "lam": 1.0, "reference": 0}
+    first = fedfiot_merge(models, fishers, spec, max_iters=1, **options)
+    assert all(p.tolist() == [0, 1] for p in first.permutations["P1"])
+    ours = fedfiot_merge(models, fishers, spec, max_iters=8, **options)
+    assert ours.permutations["P1"][0].tolist() == [1, 0] and ours.aligned
+    _assert_identical(ours, merge(models, fishers, spec, max_iters=8, **PAPER, **options))
+
+
+@pytest.mark.parametrize("m, d", [(3, 1), (33, 70), (7, 1000), (2000, 5)])
+def test_cost_matrices_are_the_engines_bit_for_bit(m: int, d: int) -> None:
+    # Equal costs, not only equal assignments: ties and near-ties are then broken alike. (GEMM
+    # rounding depends on the product's width; m = 2000 splits the three clients into two products.)
+    rng = np.random.default_rng(m + d)
+    w = rng.standard_normal((m, d))
+    w_k = [rng.standard_normal((m, d)) for _ in range(3)]
+    f_k = [rng.exponential(size=(m, d)) + 1e-4 for _ in range(3)]
+    engine = ClientLayers(lambda k: (w_k[k].copy(), f_k[k].copy()), 3)
+    for ours, fast in zip(algorithm._fisher_costs(w, w_k, f_k), engine.fisher_costs(w), strict=True):
+        assert np.array_equal(ours, fast)
+
+
 def test_tempering_and_damping_change_the_merge(uploads: dict) -> None:
     spec, models, fishers, buffers, _ = uploads["mlp"]
     run = lambda **o: fedfiot_merge(models, fishers, spec, reference=1, **o).model  # noqa: E731
     sharp, flat = run(rho=1.0, lam=1e-4), run(rho=0.2, lam=1e-4)
     assert all(not np.allclose(sharp[n], flat[n]) for n in sharp)
-    # A damping far above every Fisher entry weighs all clients alike: the plain average of the
-    # aligned clients (here at the same alignments, which the Fisher no longer influences).
+    # A damping far above every Fisher entry weighs all clients alike: the merge is the plain
+    # average of the clients aligned by the alignments it found.
     heavy = fedfiot_merge(models, fishers, spec, rho=1.0, lam=1e9, reference=1)
     perms = [{g: ps[k] for g, ps in heavy.permutations.items()} for k in range(3)]
     aligned = [apply_permutations(m, spec, p) for m, p in zip(models, perms)]
@@ -153,7 +190,8 @@ def test_tempering_and_damping_change_the_merge(uploads: dict) -> None:
 
 def test_identity_rule_drops_an_alignment_that_raises_the_objective() -> None:
     # Client 1's hidden neurons are client 0's swapped, but its output weights are not: aligning
-    # the hidden layer (cost 2 -> 0) breaks the output layer, whose Fisher is large (0 -> 2 * 100 * 25).
+    # the hidden layer (its cost 2 -> 0) breaks the output layer, whose Fisher is large: J goes from
+    # 1 (identity merge: hidden layer averaged by index, output layers equal) to 2 * 100 * (25 + 25).
     spec = PermutationSpec({"fc1.weight": ("P", None), "fc2.weight": (None, "P")})
     models = [{"fc1.weight": np.array([[0.0], [1.0]]), "fc2.weight": np.array([[0.0, 10.0]])},
               {"fc1.weight": np.array([[1.0], [0.0]]), "fc2.weight": np.array([[0.0, 10.0]])}]
