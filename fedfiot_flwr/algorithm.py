@@ -94,7 +94,7 @@ def fedfiot_merge(
     sizes = _check(weights, fishers, spec, rho, lam, max_iters, num_examples, buffers)
     ref = _reference_client(reference, num_examples, weights)
     x = [{n: np.asarray(t, dtype=np.float64) for n, t in wk.items()} for wk in weights]
-    # Line 8 and the damping. engine: temper first, then damp.
+    # Line 8 tempers; lines 19 and 25 add the damping lambda. engine: temper first, then damp.
     f = [{n: np.power(np.asarray(t, dtype=np.float64), rho) + lam for n, t in fk.items()} for fk in fishers]
     perms: list[dict[str, np.ndarray]] = [{} for _ in weights]  # pi_k of the groups solved so far
     for group in spec.perm_names:  # engine: groups in order of first appearance in the spec
@@ -120,7 +120,7 @@ def fedfiot_merge(
                 break  # line 30
             pi = new  # lines 23-27: aggregate the aligned clients
             w = _total([(fk * wk)[p] for fk, wk, p in zip(f_k, w_k, pi)]) / _total([fk[p] for fk, p in zip(f_k, pi)])
-        for pk, p in zip(perms, pi):
+        for pk, p in zip(perms, pi):  # lines 32-33
             pk[group] = p
     # Line 34: keep the alignment only if it does not increase the merge objective.
     aligned_model, J_aligned = _aggregate(x, f, spec, perms, num_examples, weights[0])
