@@ -189,6 +189,11 @@ class _GroupBuilder:
             return name
         return None
 
+    @staticmethod
+    def own_state(prefix: str, sub: nn.Module) -> list[str]:
+        """Names of the ``state_dict`` tensors of submodule ``sub`` (called ``prefix``)."""
+        return [f"{prefix}.{k}" for k in sub.state_dict()]
+
     def join_tensor(self, name: str | None, axis: int, other: Element) -> None:
         if name is not None:
             self.uf.union(("t", name, axis), other)
@@ -271,7 +276,6 @@ class _GroupBuilder:
         inputs = self.tensor_inputs(node)
         x = inputs[0] if inputs else None
         shape_in, shape_out = self.shape(x), self.shape(node)
-        own = [f"{prefix}.{k}" for k in sub.state_dict()]
         if isinstance(sub, _ELEMENTWISE_MODULES):
             return self.broadcast(node, inputs)
         if isinstance(sub, _POOL_MODULES) and x is not None:
@@ -281,7 +285,7 @@ class _GroupBuilder:
         if shape_in is None or shape_out is None or len(inputs) != 1:
             if isinstance(sub, nn.MultiheadAttention):
                 return self.attention(node, sub, prefix)
-            return self.unknown(node, f"module type {type(sub).__name__}", own)
+            return self.unknown(node, f"module type {type(sub).__name__}", self.own_state(prefix, sub))
         if isinstance(sub, nn.Linear):
             self.join_tensor(self.param(prefix, "weight"), 1, self.el(x, len(shape_in) - 1))
             self.join_tensor(self.param(prefix, "weight"), 0, self.el(node, len(shape_out) - 1))
@@ -315,7 +319,7 @@ class _GroupBuilder:
         reason = f"module type {type(sub).__name__}"
         if isinstance(sub, nn.GroupNorm):
             reason = f"GroupNorm with {sub.num_groups} groups of several channels"
-        return self.unknown(node, reason, own)
+        return self.unknown(node, reason, self.own_state(prefix, sub))
 
     def conv(self, node: fx.Node, sub: nn.Module, prefix: str, x: fx.Node,
              shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> None:
@@ -349,7 +353,6 @@ class _GroupBuilder:
 
     def attention(self, node: fx.Node, sub: nn.MultiheadAttention, prefix: str) -> None:
         """Self-attention commutes with a permutation of the embedding axis (heads stay fixed)."""
-        own = [f"{prefix}.{k}" for k in sub.state_dict()]
         args = list(node.args) + [node.kwargs.get(k) for k in ("query", "key", "value")]
         qkv = [a for a in args[:3] + args[len(node.args):] if isinstance(a, fx.Node) and self.shape(a) is not None]
         outs = dict(self.value_shapes(node))
@@ -357,7 +360,7 @@ class _GroupBuilder:
         ok = (sub._qkv_same_embed_dim and in_w is not None and sub.bias_k is None and not sub.add_zero_attn
               and len(qkv) >= 1 and 0 in outs)
         if not ok:
-            return self.unknown(node, "attention with separate or extra projections", own)
+            return self.unknown(node, "attention with separate or extra projections", self.own_state(prefix, sub))
         reason = "attention heads"
         self.uf.fix(("t", in_w, 0), reason)
         in_b = self.param(prefix, "in_proj_bias")

@@ -13,8 +13,11 @@ torch is imported lazily so that the merge engine itself needs only numpy and sc
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +27,7 @@ from .spec import AxisEntry, PermutationSpec, expand_block_permutation
 
 logger = logging.getLogger(__name__)
 
+_SLOW_SECONDS = 1.0  # derivations slower than this are logged at INFO
 _IMAGE_SIZES = (32, 28, 224, 64, 16, 8, 96, 128, 256)
 
 
@@ -178,8 +182,12 @@ def _same(before: Sequence[Any], after: Sequence[Any]) -> bool:
     return True
 
 
-def _failing_permutations(module: Any, spec: PermutationSpec, example: Any, seed: int = 0) -> list[str]:
-    """Permutations of ``spec`` that change the perturbed module's outputs."""
+def _failing_permutations_reference(module: Any, spec: PermutationSpec, example: Any, seed: int = 0) -> list[str]:
+    """Permutations of ``spec`` that change the perturbed module's outputs (the plain, slow check).
+
+    One full forward pass per permutation on a deep copy, each permutation copied into the
+    tensors and copied back; :func:`_failing_permutations` gives the same answer faster.
+    """
     model, example = _perturbed_copy(module, example, seed)
     reference = _outputs(model, example)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -194,6 +202,133 @@ def _failing_permutations(module: Any, spec: PermutationSpec, example: Any, seed
         if not _same(reference, _outputs(model, example)):
             failing.append(perm)
         _restore(model, saved)
+    return failing
+
+
+def _double_copy(module: Any) -> Any:
+    """``copy.deepcopy(module).eval().double()`` without first copying each tensor in its own dtype.
+
+    Parameters and buffers are converted straight to float64 copies (handed to ``deepcopy``
+    through its memo); everything else is deep-copied as usual.
+    """
+    import torch
+    from torch import nn
+
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) in memo or not t.is_floating_point():
+            continue
+        if type(t) is nn.Parameter:
+            memo[id(t)] = nn.Parameter(t.detach().to(torch.float64, copy=True), t.requires_grad)
+        elif type(t) is torch.Tensor and not t.requires_grad and not t.__dict__:
+            memo[id(t)] = t.detach().to(torch.float64, copy=True)
+    return copy.deepcopy(module, memo).eval().double()
+
+
+def _perturbed_double_copy(module: Any, example: Any, seed: int) -> tuple[Any, Any]:
+    """:func:`_perturbed_copy` with fewer passes over the tensors; the same noise, bit for bit."""
+    import torch
+
+    try:
+        model = _double_copy(module)
+    except Exception:  # noqa: BLE001 - the plain path keeps the module's dtype (and raises what deepcopy raises)
+        return _perturbed_copy(module, example, seed)
+    try:
+        example = tuple(x.double() if x.is_floating_point() else x for x in example) \
+            if isinstance(example, tuple) else (example.double() if example.is_floating_point() else example)
+    except Exception:  # noqa: BLE001 - keep the example's dtype, as the plain path does
+        pass
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype)
+            if name.endswith("running_var"):
+                t.mul_(0.5 + torch.rand(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype))
+            else:
+                std = float(t.std()) if t.numel() > 1 else 0.0
+                t.add_(noise.mul_(0.1 * (std if std > 0 else 1.0)))
+    return model, example
+
+
+def _swap_in_permuted(state: Mapping[str, Any], spec: PermutationSpec,
+                      perms: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """Point the tensors that ``perms`` moves at permuted copies; return their original data.
+
+    Swapping ``.data`` (instead of copying into the tensors and back) leaves every module
+    holding the same tensor objects, so nothing is copied but the permuted tensors themselves.
+    """
+    import torch
+
+    saved: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, entries in spec.axes.items():
+            original = state[name].data
+            new = original
+            for axis, entry in enumerate(entries):
+                if entry is not None and entry.perm in perms:
+                    index = torch.as_tensor(perms[entry.perm], device=original.device)
+                    if entry.block == 1:
+                        new = new.index_select(axis, index)
+                    else:  # whole blocks at once: the same result as expand_block_permutation's index
+                        new = new.unflatten(axis, (-1, entry.block)).index_select(axis, index).flatten(axis, axis + 1)
+            if new is not original:
+                saved[name] = original
+                state[name].data = new
+    return saved
+
+
+def _swap_back(state: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    for name, original in saved.items():
+        state[name].data = original
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread inside the block (the previous count is restored).
+
+    The probes are batches of two examples: too small for intra-op parallelism to pay, while on a
+    machine whose cores are busy the OpenMP workers wait for one another at every operation and
+    burn many times the work itself.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    if before > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before > 1:
+            torch.set_num_threads(before)
+
+
+def _failing_permutations(module: Any, spec: PermutationSpec, example: Any, seed: int = 0) -> list[str]:
+    """Permutations of ``spec`` that change the perturbed module's outputs.
+
+    The same perturbed copy, permutations and comparison as
+    :func:`_failing_permutations_reference`, hence the same answer, with less work per permutation.
+    """
+    import torch
+
+    with torch.no_grad():
+        model, example = _perturbed_double_copy(module, example, seed)
+        reference = _outputs(model, example)
+        state = model.state_dict(keep_vars=True)
+        sizes = spec.sizes({k: tuple(v.shape) for k, v in state.items()})
+        rng = np.random.default_rng(seed)
+        failing = []
+        for perm in spec.perm_names:
+            p = rng.permutation(sizes[perm])
+            if np.array_equal(p, np.arange(len(p))):
+                p[[0, 1]] = p[[1, 0]]
+            saved = _swap_in_permuted(state, spec, {perm: p})
+            try:
+                if not _same(reference, _outputs(model, example)):
+                    failing.append(perm)
+            finally:
+                _swap_back(state, saved)
     return failing
 
 
@@ -233,7 +368,24 @@ def spec_from_module(
         Keys equal ``module.state_dict()``'s keys. Axes that cannot be shown to be safely
         permutable get ``None`` (merged without alignment); one warning per such layer.
         Never raises for a module that runs: if tracing fails, nothing is aligned.
+
+    Notes
+    -----
+    The probe passes run on one torch intra-op thread (the thread count is restored on return).
+    A derivation that takes longer than a second is logged at INFO, with the module's class.
     """
+    start = time.perf_counter()
+    with _one_intra_op_thread():
+        spec = _derive_spec(module, perm_prefix, example_input, verify)
+    seconds = time.perf_counter() - start
+    if seconds > _SLOW_SECONDS:
+        logger.info("spec_from_module: tracing %s took %.1f s", type(module).__name__, seconds)
+    return spec
+
+
+def _derive_spec(module: Any, perm_prefix: str, example_input: Any, verify: bool,
+                 reference: bool = False) -> PermutationSpec:
+    """The body of :func:`spec_from_module`; ``reference=True`` checks with the plain, slow path."""
     from .channel_groups import BOUNDARY_REASONS, derive_channel_groups
 
     params = {n for n, _ in module.named_parameters()}
@@ -253,6 +405,7 @@ def spec_from_module(
     axes: dict[str, list[AxisEntry]] = {k: [None] * v.dim() for k, v in state.items()}
     unaligned: dict[str, set[str]] = {}
     names: dict[str, str] = {}
+    position = {k: i for i, k in enumerate(state)}
     for gid, members in found.groups.items():
         neurons = [n for n, a in members if a == 0 and n in params]
         if not neurons:  # acts on no weight's leading axis: nothing for the engine to align
@@ -260,7 +413,7 @@ def spec_from_module(
                 if n in params:
                     unaligned.setdefault(_module_of(n), set()).add("no weight has these units as outputs")
             continue
-        first = min(neurons, key=list(state).index)
+        first = min(neurons, key=position.__getitem__)
         name = f"{perm_prefix}{_module_of(first)}"
         while name in names.values():
             name += "_"
@@ -275,7 +428,8 @@ def spec_from_module(
             unaligned.setdefault(_module_of(n), set()).update(why - BOUNDARY_REASONS)
     try:
         spec = PermutationSpec({k: tuple(v) for k, v in axes.items()})
-        failing = _failing_permutations(module, spec, example) if verify and spec.perm_names else []
+        check = _failing_permutations_reference if reference else _failing_permutations
+        failing = check(module, spec, example) if verify and spec.perm_names else []
     except Exception as err:  # noqa: BLE001 - inconsistent groups: merge without alignment rather than fail
         logger.warning("spec_from_module: merging %s without alignment (its derived groups are inconsistent: %s)",
                        type(module).__name__, err)
