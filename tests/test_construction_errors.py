@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
+from _fedfiot_helpers import tiny_mlp
 from _fedfiot_helpers import SHAPES, FakeGrid, packed
 from flwr.app import Message
 from torch import nn
@@ -18,21 +19,13 @@ from fedfiot_flwr.server import MergeResult
 from fedfiot_flwr.server.shell import arrays_to_numpy, numpy_to_arrays
 
 
-class Net(nn.Module):
-    """The helpers' 4-6-5-3 MLP (``SHAPES``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(4, 6), nn.Linear(6, 5), nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+Net = tiny_mlp
 
 
-class WithIntParameter(Net):
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps = nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+def with_int_parameter() -> nn.Module:
+    model = tiny_mlp()
+    model.steps = nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+    return model
 
 
 def _data(n: int = 16, features: int = 4, label: int | None = None) -> TensorDataset:
@@ -48,7 +41,7 @@ CASES = [
     ({"min_available_nodes": 2.5}, ValueError, r"min_available_nodes must be an integer >= 0, got 2.5"),
     ({"config": {"rho": 0.3}}, TypeError, r"config must be a FedFiOTConfig .* got dict"),
     ({"model": "mlp"}, TypeError, r"model must be a torch.nn.Module instance .* got str"),
-    ({"model": WithIntParameter()}, TypeError, r"parameter 'steps' of the model is torch.int64"),
+    ({"model": with_int_parameter()}, TypeError, r"parameter 'steps' of the model is torch.int64"),
     ({"server_data": _data(features=7)}, ValueError, r"inputs of shape \(7,\) don't fit the model"),
     ({"server_data": _data(label=16)}, ValueError, r"label 16 is not a class of the model's 3 outputs"),
     ({"server_data": TensorDataset(torch.randn(8, 4))}, ValueError, r"must be labelled \(input, label\) pairs"),

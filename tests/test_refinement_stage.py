@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
+from _fedfiot_helpers import tiny_mlp
 from _fedfiot_helpers import SHAPES, client_uploads, packed, reply
-from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, RefineOptions, RegMeanStrategy, SweepGrid
@@ -32,15 +32,7 @@ SMALL = SweepGrid(rhos=(0.3, 0.7), lams=(1e-4,), references=("largest",), fisher
 QUICK = RefineOptions(finetune_epochs=2, augment_copies=1)
 
 
-class Net(nn.Module):
-    """The helpers' 4-6-5-3 MLP (``SHAPES``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(4, 6), nn.Linear(6, 5), nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+Net = tiny_mlp
 
 
 def _server_data(n: int = 60, seed: int = 0) -> TensorDataset:

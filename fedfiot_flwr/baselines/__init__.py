@@ -9,9 +9,9 @@ and :class:`fedfiot_flwr.RegMeanStrategy`.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from fedfiot_flwr.lazy import lazy_getattr
 from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
 
 if TYPE_CHECKING:
@@ -53,8 +53,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    # FedFisher's optimiser needs torch; the averaging helpers the server shell uses do not.
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -12,7 +12,9 @@ name needs only what its own submodule imports.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedfiot_flwr.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from fedfiot_flwr.data.arrays import ArrayImageDataset, crop_flip_augmentation
@@ -78,12 +80,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -19,9 +19,9 @@ Importing this package loads neither torch nor Flower; the torch modules load on
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from fedfiot_flwr.lazy import lazy_getattr
 from fedfiot_flwr.refine.base import ModelMapStage, PostMergeStage, StageResult
 from fedfiot_flwr.refine.options import FINETUNE_SCHEDULES, TARGET_WEIGHTS, RefineOptions
 
@@ -50,7 +50,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
