@@ -163,17 +163,9 @@ def live_processes(pids: list[int]) -> list[str]:
     return alive
 
 
+
 def tiny_mlp():  # noqa: ANN201
-    """The 4-6-5-3 MLP of ``SHAPES`` as a torch module (torch imported here: most helpers don't need it)."""
-    import torch
-    from torch import nn
-
-    class TinyMLP(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.fc2, self.fc3 = nn.Linear(4, 6), nn.Linear(6, 5), nn.Linear(5, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+    """The 4-6-5-3 MLP of ``SHAPES`` as a torch module (the fuzz tests' ``TinyMLP``)."""
+    from _fuzz_replies import TinyMLP
 
     return TinyMLP()
