@@ -13,6 +13,10 @@ start=$SECONDS
 "$work/venv/bin/python" -m pip wheel -q --no-deps -w "$work/dist" .
 wheels=("$work"/dist/fedfiot_flwr-*.whl)
 [[ ${#wheels[@]} == 1 && -f ${wheels[0]} ]] || { echo "check_wheel: expected one wheel, got: ${wheels[*]}" >&2; exit 1; }
+# torch first, as a CPU build where this machine's disk holds one (much smaller than the CUDA build
+# pip picks otherwise); the wheel's own "torch>=2.4" then installs nothing more. Any torch will do.
+"$work/venv/bin/python" -m pip install -q "${WHEEL_CHECK_TORCH:-torch==2.13.0}" 2>/dev/null \
+  || echo "check_wheel: ${WHEEL_CHECK_TORCH:-torch==2.13.0} not installable here; the wheel brings its own torch"
 "$work/venv/bin/python" -m pip install -q "${wheels[0]}"
 
 cp scripts/wheel_smoke.py "$work/wheel_smoke.py"
