@@ -151,8 +151,8 @@ class FedFiOTConfig:
         cfg = self.for_server(has_validation)
         rule = {"objective": "the paper's rule (keep the aligned merge unless alignment does not lower the merge "
                              "objective)",
-                "validation": "the aligned, the identity" + (" or FedAvg's" if cfg.fedavg_candidate else "")
-                              + " merge, whichever validates best",
+                "validation": ("the aligned, the identity or FedAvg's merge" if cfg.fedavg_candidate
+                               else "the aligned or the identity merge") + ", whichever validates best",
                 "none": "always the aligned merge"}[cfg.selection]
         if cfg.sweep is None or not has_validation:
             knobs = f"rho={cfg.rho:g}, lam={cfg.lam:g}, reference={cfg.reference}"
