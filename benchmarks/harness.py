@@ -78,7 +78,7 @@ METHOD_LABELS = {
     "ablation-c": "C: Euclidean matching",
     "ablation-d": "D: uniform aggregation",
     "fedfiot": "FedFiOT (paper preset)",
-    "fedfiot-default": "FedFiOT default preset, merge only (validate_fn, no server refinement)",
+    "fedfiot-default": "FedFiOT default preset (server data only chooses)",
     "fedfiot-own": "FedFiOT default merge only, FedFiOT's own merge (no FedAvg candidate)",
     "fedfiot-fp32": "FedFiOT, float32 uploads",
     "fedfiot-val": "FedFiOT + validation fallback, size scaling",

@@ -235,7 +235,7 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
         "",
         baseline_margins(payload, methods),
         "",
-        "## The default preset (FedFiOT merge + server refinement) against every rival",
+        "## FedFiOT merge + refine=RefineOptions() against every selection-only rival (it alone trains on server examples; the same refinement after every rival: equal_terms.md)",
         "",
         S.default_comparison(payload),
         "",

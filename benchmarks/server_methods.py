@@ -43,7 +43,7 @@ LABELS = {
     "mean-client": "Mean client",
     "ensemble": "Ensemble of the K clients (averaged logits)",
     "centralized": "Centralized (union of the clients' data)",
-    "fedfiot-refined": "FedFiOT (default preset: merge + server refinement)",
+    "fedfiot-refined": "FedFiOT default merge + refine=RefineOptions() (trains on 250 server examples)",
 }
 Model = dict[str, np.ndarray]
 
