@@ -7,6 +7,8 @@ chosen on the selection fold, then its model goes through the stage. The rows:
 
 - ``fedfiot-refined``: FedFiOT's default merge (no FedAvg candidate, as the strategy runs it with
   ``refine``), then the stage with the merge's permutations;
+- ``fedfiot-refined-unaligned``: the same merge through the same stage without its permutations (the
+  clients taken as they are): what the alignment adds to the refinement;
 - ``fedavg-refined``, ``regmean-refined``, ``best-single-client-refined``: the same stage after
   FedAvg, RegMean (alpha chosen on the selection fold) and the client that scores best on the
   selection fold;
@@ -44,10 +46,11 @@ from benchmarks import server_methods as S  # noqa: E402
 from fedfiot_flwr.baselines import size_weighted_average  # noqa: E402
 from fedfiot_flwr.refine import RefineOptions, RefinementStage  # noqa: E402
 
-METHODS = ("fedfiot-refined", "fedavg-refined", "regmean-refined", "best-single-client-refined", "fresh-refined",
-           "server-only")
+METHODS = ("fedfiot-refined", "fedfiot-refined-unaligned", "fedavg-refined", "regmean-refined",
+           "best-single-client-refined", "fresh-refined", "server-only")
 LABELS = {
     "fedfiot-refined": "FedFiOT default merge + refinement",
+    "fedfiot-refined-unaligned": "FedFiOT default merge + refinement without its permutations (ablation)",
     "fedavg-refined": "FedAvg + refinement",
     "regmean-refined": "RegMean + refinement",
     "best-single-client-refined": "best single client + refinement",
@@ -71,6 +74,7 @@ def starts(setting: H.Setting, split: Any, uploads: H.Uploads, build: Callable[[
     sel_ev = S.selection_evaluator(split, build)
     merged = S.fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, args.grid, setting.init)
     out["fedfiot-refined"] = (merged.model, merged.result.permutations if merged.variant == "aligned" else None)
+    out["fedfiot-refined-unaligned"] = (merged.model, None)
     out["fedavg-refined"] = (size_weighted_average(q.weights, q.num_examples), None)
     reg = H.apply_curvature_method("regmean", setting, split, uploads, build, buffers, sel_validate,
                                    cache_dir=args.cache_dir, log=log)
@@ -81,8 +85,9 @@ def starts(setting: H.Setting, split: Any, uploads: H.Uploads, build: Callable[[
     return out
 
 
-def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The rows of one setting."""
+def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None],
+                methods: Sequence[str] = METHODS) -> list[dict[str, Any]]:
+    """The rows of one setting (``methods`` of them)."""
     split = setting.app_config().split()
     build, spec, buffers = H.model_tools(setting, split)
     ev = H.Evaluator(split, build)
@@ -94,13 +99,13 @@ def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None]) -> li
     base = H.record_fields(setting)
     for method, (model, perms) in starts(setting, split, uploads, build, spec, buffers, stage.validate_fn, args,
                                          log).items():
-        if method not in args.methods:
+        if method not in methods:
             continue
         t0 = time.perf_counter()
         refined, rep = stage.refine(model, q.weights, perms, q.num_examples)
         records.append(_record(base, method, ev, refined, rep, time.perf_counter() - t0))
         log(f"  {method:28s} test {100 * records[-1]['test_accuracy']:5.1f}%  returned {rep.chosen}")
-    if "server-only" in args.methods:
+    if "server-only" in methods:
         fresh = _fresh(build, setting.seed)
         alone = RefinementStage(build(), split.validation,
                                 replace(options, ridges=(), distill_weight=0.0, client_candidates=False))
@@ -167,11 +172,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             for init in args.inits:
                 for seed in args.seeds:
                     setting = H.Setting(args.dataset, args.model, args.clients, a, init, seed, e)
-                    done = {(r["alpha"], r["init"], r["seed"], r["epochs"]) for r in records}
-                    if (a, init, seed, e) in done:
+                    done = {r["method"] for r in records if (r["alpha"], r["init"], r["seed"], r["epochs"]) == (a, init, seed, e)}
+                    todo = [m for m in args.methods if m not in done]
+                    if not todo:
                         continue
                     print(f"{setting.column()} seed {seed}", flush=True)
-                    records += run_setting(setting, args, lambda s: print(s, flush=True))
+                    records += run_setting(setting, args, lambda s: print(s, flush=True), todo)
                     args.out.mkdir(parents=True, exist_ok=True)
                     H.write_json(out_json, {"records": records})
                     (args.out / f"{args.name}.md").write_text(markdown(records, command))

@@ -173,3 +173,19 @@ def test_fedavg_gap_smoke(tmp_path: Path) -> None:
     assert paper["paper_rule_keeps_aligned"] == (not paper["objective_aligned"] > paper["objective_identity"])
     assert all("true_fisher_mass" in c for c in payload["clients"])
     assert (tmp_path / "gap.md").read_text().count("| default |") == 1
+
+
+def test_equal_terms_runs_the_shipped_refinement_after_every_start(tmp_path: Path) -> None:
+    import json
+
+    from benchmarks import equal_terms
+
+    equal_terms.main(["--dataset", "digits", "--model", "mlp", "--clients", "3", "--alphas", "0.5", "--inits", "independent",
+                      "--epochs", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path), "--name", "eq"])
+    recs = json.loads((tmp_path / "eq.json").read_text())["records"]
+    assert {r["method"] for r in recs} == set(equal_terms.METHODS)
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 and r["returned"] for r in recs)
+    # The selection fold's score of what each row returned is what the refinement reported choosing.
+    assert all(0.0 <= r["selection_accuracy"] <= 1.0 for r in recs)
+    page = (tmp_path / "eq.md").read_text()
+    assert "server-only" in page and str(tmp_path) not in page
