@@ -67,22 +67,28 @@ def _fresh(build: Callable[[], torch.nn.Module], seed: int) -> Model:
 
 def starts(setting: H.Setting, split: Any, uploads: H.Uploads, build: Callable[[], torch.nn.Module],
            spec: Any, buffers: Sequence[str], sel_validate: Callable[[Model], dict[str, float]], args: Any,
-           log: Callable[[str], None]) -> dict[str, tuple[Model, Any]]:
-    """Each method's model before the stage, with its permutations of the clients (``None``: unaligned)."""
+           log: Callable[[str], None], methods: Sequence[str] = METHODS) -> dict[str, tuple[Model, Any]]:
+    """The model of each of ``methods`` before the stage, with its permutations of the clients
+    (``None``: unaligned); only the starts asked for are built."""
     q = uploads.quantized
     out: dict[str, tuple[Model, Any]] = {}
-    sel_ev = S.selection_evaluator(split, build)
-    merged = S.fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, args.grid, setting.init)
-    out["fedfiot-refined"] = (merged.model, merged.result.permutations if merged.variant == "aligned" else None)
-    out["fedfiot-refined-unaligned"] = (merged.model, None)
-    out["fedavg-refined"] = (size_weighted_average(q.weights, q.num_examples), None)
-    reg = H.apply_curvature_method("regmean", setting, split, uploads, build, buffers, sel_validate,
-                                   cache_dir=args.cache_dir, log=log)
-    out["regmean-refined"] = (reg.model, None)
-    scores = [sel_validate(w)["accuracy"] for w in q.weights]
-    out["best-single-client-refined"] = (q.weights[int(np.argmax(scores))], None)
-    out["fresh-refined"] = (_fresh(build, setting.seed), None)
-    return out
+    if {"fedfiot-refined", "fedfiot-refined-unaligned"} & set(methods):
+        merged = S.fedfiot_merge_on_fold(uploads, spec, buffers, S.selection_evaluator(split, build), args.grid,
+                                         setting.init)
+        out["fedfiot-refined"] = (merged.model, merged.result.permutations if merged.variant == "aligned" else None)
+        out["fedfiot-refined-unaligned"] = (merged.model, None)
+    if "fedavg-refined" in methods:
+        out["fedavg-refined"] = (size_weighted_average(q.weights, q.num_examples), None)
+    if "regmean-refined" in methods:
+        reg = H.apply_curvature_method("regmean", setting, split, uploads, build, buffers, sel_validate,
+                                       cache_dir=args.cache_dir, log=log)
+        out["regmean-refined"] = (reg.model, None)
+    if "best-single-client-refined" in methods:
+        scores = [sel_validate(w)["accuracy"] for w in q.weights]
+        out["best-single-client-refined"] = (q.weights[int(np.argmax(scores))], None)
+    if "fresh-refined" in methods:
+        out["fresh-refined"] = (_fresh(build, setting.seed), None)
+    return {m: start for m, start in out.items() if m in methods}
 
 
 def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None],
@@ -98,9 +104,7 @@ def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None],
     records = []
     base = H.record_fields(setting)
     for method, (model, perms) in starts(setting, split, uploads, build, spec, buffers, stage.validate_fn, args,
-                                         log).items():
-        if method not in methods:
-            continue
+                                         log, methods).items():
         t0 = time.perf_counter()
         refined, rep = stage.refine(model, q.weights, perms, q.num_examples)
         records.append(_record(base, method, ev, refined, rep, time.perf_counter() - t0))

@@ -9,7 +9,7 @@ Rows (method names in the result records):
 - ``centralized``: one model trained on the union of the clients' data, same epochs and
   optimiser, from the broadcast initialisation (a ceiling: no federation).
 - ``fedfiot-refined``: FedFiOT's default merge followed by
-  :func:`fedfiot_flwr.refine.refine_merged_model`. The 500 validation examples are
+  :class:`fedfiot_flwr.refine.RefinementStage` (the strategies' own stage). The 500 validation examples are
   split once (seeded) into a fitting fold and a selection fold of 250 each: the merge's
   knobs (rho x lam x reference x Fisher scaling, aligned vs identity) and the refinement's
   candidate are chosen on the selection fold; only the refinement's least squares / REPAIR
@@ -32,9 +32,8 @@ from torch.utils.data import ConcatDataset, DataLoader
 from benchmarks import harness as H
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import PermutationSpec
-from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.refine.stage import fold_subsets
-from fedfiot_flwr.refine import RefineOptions, refine_merged_model
+from fedfiot_flwr.refine import RefineOptions
+from fedfiot_flwr.refine.stage import RefinementStage, fold_subsets
 from fedfiot_flwr.task import train
 
 SERVER_DATA_METHODS = ("best-single-client", "mean-client", "ensemble", "centralized", "fedfiot-refined")
@@ -144,10 +143,9 @@ def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch
     merge_seconds = time.perf_counter() - t0
     res = outcome.result
     perms = res.permutations if outcome.variant == "aligned" else None
-    fit_loader, select_loader = fold_loaders(split)
-    model, report = refine_merged_model(outcome.model, uploads.quantized.weights, build(), fit_loader, select_loader,
-                                        spec=spec, permutations=perms, num_examples=uploads.quantized.num_examples,
-                                        options=options, log=log)
+    stage = RefinementStage(build(), split.validation, options, spec=spec)  # the strategies' own stage and folds
+    stage.progress = log
+    model, report = stage.refine(outcome.model, uploads.quantized.weights, perms, uploads.quantized.num_examples)
     _, acc = ev.test(model)
     frac = float(np.mean(res.fraction_permuted)) if res.fraction_permuted else 0.0
     return {

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfiot_flwr.batches import evaluate, split_batch
+from fedfiot_flwr.batches import evaluate
 
 __all__ = ["ValidateFn", "make_validate_fn"]
 
@@ -27,8 +27,7 @@ ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float]]
 
 
 def make_validate_fn(
-    model: nn.Module, loader: Iterable[Any], device: torch.device | str | None = None, *,
-    cache_batches: bool = False,
+    model: nn.Module, loader: Iterable[Any], device: torch.device | str | None = None
 ) -> ValidateFn:
     """A ``validate_fn`` that loads a model dict into ``model`` and scores it on ``loader``.
 
@@ -40,24 +39,17 @@ def make_validate_fn(
         Held-out ``(inputs, labels)`` batches (or dicts, see :func:`fedfiot_flwr.task.split_batch`).
     device : torch.device or str, optional
         Where to evaluate (default: CUDA when available).
-    cache_batches : bool
-        Read ``loader`` once and score every model on those tensors (for a fixed, unshuffled,
-        unaugmented held-out set: the same scores without re-collating it for every candidate).
 
     Returns
     -------
     callable
         ``model dict -> {"accuracy": ..., "loss": ...}`` (mean cross-entropy).
     """
-    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def validate(weights: Mapping[str, np.ndarray]) -> dict[str, float]:
-        nonlocal batches
         state = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()}
         model.load_state_dict(state)
-        if cache_batches and batches is None:
-            batches = [split_batch(b) for b in loader]
-        loss, accuracy = evaluate(model, batches if batches is not None else loader, device=device)
+        loss, accuracy = evaluate(model, loader, device=device)
         return {"accuracy": float(accuracy), "loss": float(loss)}
 
     return validate

@@ -41,34 +41,6 @@ def test_refine_options_refuse_bad_values_when_built(field: str, value: object) 
         RefineOptions(**{field: value})
 
 
-def test_a_validate_fn_on_a_cached_fold_reads_it_once_and_scores_as_the_loader_does() -> None:
-    import torch
-    from torch import nn
-
-    from fedfiot_flwr.validation import make_validate_fn
-
-    class CountingLoader:
-        def __init__(self) -> None:
-            self.reads = 0
-            g = torch.Generator().manual_seed(0)
-            self.batches = [(torch.randn(8, 3, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(3)]
-
-        def __iter__(self):  # noqa: ANN204
-            self.reads += 1
-            return iter(self.batches)
-
-    model = nn.Linear(3, 2)
-    a = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    b = {k: v.copy() for k, v in a.items()}
-    b["weight"][0] += 1.0  # one class's logit moves: a different model with a different loss
-    loader, plain_loader = CountingLoader(), CountingLoader()
-    cached = make_validate_fn(model, loader, "cpu", cache_batches=True)
-    plain = make_validate_fn(nn.Linear(3, 2), plain_loader, "cpu")
-    assert [cached(a), cached(b), cached(a)] == [plain(a), plain(b), plain(a)]
-    assert cached(a) != cached(b)
-    assert loader.reads == 1 and plain_loader.reads == 3
-
-
 def test_every_mode_name_is_spelled_once() -> None:
     """The engine, the strategies and the app check their choices against the one options module."""
     from fedfiot_flwr import app_config, fisher, options

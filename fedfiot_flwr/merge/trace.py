@@ -115,18 +115,18 @@ def _outputs(module: Any, example: Any) -> list[Any]:
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _perturbed_copy(module: Any, example: Any, seed: int) -> tuple[Any, Any]:
-    """A float64 (if possible) eval-mode copy whose float tensors all carry random noise."""
+def _double_example(example: Any) -> Any:
+    """``example`` (a tensor or a tuple of them) with its floating-point tensors in float64."""
+    if isinstance(example, tuple):
+        return tuple(x.double() if x.is_floating_point() else x for x in example)
+    return example.double() if example.is_floating_point() else example
+
+
+def _add_noise(model: Any, seed: int) -> None:
+    """Perturb every floating-point tensor of ``model`` in place, seeded (BatchNorm variances scaled)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    model = copy.deepcopy(module).eval()
-    try:
-        model = model.double()
-        example = tuple(x.double() if x.is_floating_point() else x for x in example) \
-            if isinstance(example, tuple) else (example.double() if example.is_floating_point() else example)
-    except Exception:  # noqa: BLE001 - keep the module's dtype
-        pass
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
             if not t.is_floating_point() or t.numel() == 0:
@@ -135,8 +135,19 @@ def _perturbed_copy(module: Any, example: Any, seed: int) -> tuple[Any, Any]:
             if name.endswith("running_var"):
                 t.mul_(0.5 + torch.rand(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype))
             else:
-                scale = float(t.std()) if t.numel() > 1 and float(t.std()) > 0 else 1.0
-                t.add_(0.1 * scale * noise)
+                std = float(t.std()) if t.numel() > 1 else 0.0
+                t.add_(noise.mul_(0.1 * (std if std > 0 else 1.0)))
+
+
+def _perturbed_copy(module: Any, example: Any, seed: int) -> tuple[Any, Any]:
+    """A float64 (if possible) eval-mode copy whose float tensors all carry random noise."""
+    model = copy.deepcopy(module).eval()
+    try:
+        model = model.double()
+        example = _double_example(example)
+    except Exception:  # noqa: BLE001 - keep the module's dtype
+        pass
+    _add_noise(model, seed)
     return model, example
 
 
@@ -227,28 +238,15 @@ def _double_copy(module: Any) -> Any:
 
 def _perturbed_double_copy(module: Any, example: Any, seed: int) -> tuple[Any, Any]:
     """:func:`_perturbed_copy` with fewer passes over the tensors; the same noise, bit for bit."""
-    import torch
-
     try:
         model = _double_copy(module)
     except Exception:  # noqa: BLE001 - the plain path keeps the module's dtype (and raises what deepcopy raises)
         return _perturbed_copy(module, example, seed)
     try:
-        example = tuple(x.double() if x.is_floating_point() else x for x in example) \
-            if isinstance(example, tuple) else (example.double() if example.is_floating_point() else example)
+        example = _double_example(example)
     except Exception:  # noqa: BLE001 - keep the example's dtype, as the plain path does
         pass
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in model.state_dict(keep_vars=True).items():
-            if not t.is_floating_point() or t.numel() == 0:
-                continue
-            noise = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype)
-            if name.endswith("running_var"):
-                t.mul_(0.5 + torch.rand(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype))
-            else:
-                std = float(t.std()) if t.numel() > 1 else 0.0
-                t.add_(noise.mul_(0.1 * (std if std > 0 else 1.0)))
+    _add_noise(model, seed)
     return model, example
 
 

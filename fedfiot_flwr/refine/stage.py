@@ -154,7 +154,7 @@ class RefinementStage:
         self.fit_loader = DataLoader(fit, batch_size=batch_size)
         self.select_loader = DataLoader(select, batch_size=batch_size)
         self._scratch = copy.deepcopy(model).cpu()
-        self._validate_fn = make_validate_fn(copy.deepcopy(model), self.select_loader, device, cache_batches=True)
+        self._validate_fn = make_validate_fn(copy.deepcopy(model), self.select_loader, device)
 
     @property
     def validate_fn(self) -> ValidateFn:
@@ -209,7 +209,7 @@ class RefinementStage:
             ``metrics["selection-fold-accuracy"]`` is the returned model's accuracy on the
             examples that chose it: optimistic, not a test score.
         """
-        out, rep = self.refine(model, clients, permutations if self.spec is not None else None, num_examples)
+        out, rep = self.refine(model, clients, permutations, num_examples)
         returned = describe_candidate(rep.chosen, rep.fit_examples, [str(c) for c in client_ids])
         metrics = {
             "refine-seconds": float(rep.seconds),

@@ -153,7 +153,7 @@ def plan_server_data(
 
         from fedfiot_flwr.validation import make_validate_fn
 
-        fn = make_validate_fn(copy.deepcopy(model), DataLoader(server_data, batch_size=500), cache_batches=True)
+        fn = make_validate_fn(copy.deepcopy(model), DataLoader(server_data, batch_size=500))
         return ServerDataPlan(fn, None, f"{n} server examples choose {choices}; nothing is trained on them (pass "
                                         "refine=RefineOptions() to also fine-tune on half of them)")
     if n < 2:

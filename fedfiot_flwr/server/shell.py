@@ -147,11 +147,14 @@ class MergeResult(Result):
 
     aggregation_metrics_serverapp: dict[int, MetricRecord] = field(default_factory=dict)
 
+    def aggregation_summary(self) -> str:
+        """The section this class adds to Flower's summary."""
+        rounds = {r: dict(m) for r, m in self.aggregation_metrics_serverapp.items()}
+        return "ServerApp-side Aggregation Metrics:\n" + pprint.pformat(rounds, indent=2, compact=True) + "\n"
+
     def __repr__(self) -> str:
         """Flower's summary, then the aggregation metrics."""
-        rounds = {r: dict(m) for r, m in self.aggregation_metrics_serverapp.items()}
-        return (super().__repr__() + "\nServerApp-side Aggregation Metrics:\n"
-                + pprint.pformat(rounds, indent=2, compact=True) + "\n")
+        return super().__repr__() + "\n" + self.aggregation_summary()
 
 
 class MergeStrategy(FedAvg):
@@ -277,8 +280,7 @@ class MergeStrategy(FedAvg):
         result = super().start(*args, **kwargs)
         out = MergeResult(**{f.name: getattr(result, f.name) for f in fields(result)},
                           aggregation_metrics_serverapp=dict(self.server_metrics))
-        extra = repr(out)[len(repr(result)):]
-        for line in extra.strip("\n").splitlines():
+        for line in out.aggregation_summary().splitlines():  # after the summary Flower printed
             log(INFO, "\t%s", line)
         log(INFO, "")
         return out
