@@ -193,6 +193,16 @@ def _same(before: Sequence[Any], after: Sequence[Any]) -> bool:
     return True
 
 
+def _probe_permutations(spec: PermutationSpec, sizes: Mapping[str, int], seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """One seeded random permutation per group of ``spec``, never the identity."""
+    rng = np.random.default_rng(seed)
+    for perm in spec.perm_names:
+        p = rng.permutation(sizes[perm])
+        if np.array_equal(p, np.arange(len(p))):
+            p[[0, 1]] = p[[1, 0]]
+        yield perm, p
+
+
 def _failing_permutations_reference(module: Any, spec: PermutationSpec, example: Any, seed: int = 0) -> list[str]:
     """Permutations of ``spec`` that change the perturbed module's outputs (the plain, slow check).
 
@@ -203,12 +213,8 @@ def _failing_permutations_reference(module: Any, spec: PermutationSpec, example:
     reference = _outputs(model, example)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     sizes = spec.sizes(shapes)
-    rng = np.random.default_rng(seed)
     failing = []
-    for perm in spec.perm_names:
-        p = rng.permutation(sizes[perm])
-        if np.array_equal(p, np.arange(len(p))):
-            p[[0, 1]] = p[[1, 0]]
+    for perm, p in _probe_permutations(spec, sizes, seed):
         saved = _permute_in_place(model, spec, {perm: p})
         if not _same(reference, _outputs(model, example)):
             failing.append(perm)
@@ -315,12 +321,8 @@ def _failing_permutations(module: Any, spec: PermutationSpec, example: Any, seed
         reference = _outputs(model, example)
         state = model.state_dict(keep_vars=True)
         sizes = spec.sizes({k: tuple(v.shape) for k, v in state.items()})
-        rng = np.random.default_rng(seed)
         failing = []
-        for perm in spec.perm_names:
-            p = rng.permutation(sizes[perm])
-            if np.array_equal(p, np.arange(len(p))):
-                p[[0, 1]] = p[[1, 0]]
+        for perm, p in _probe_permutations(spec, sizes, seed):
             saved = _swap_in_permuted(state, spec, {perm: p})
             try:
                 if not _same(reference, _outputs(model, example)):
