@@ -84,3 +84,16 @@ def test_start_returns_flowers_result_with_the_aggregation_metrics_and_prints_th
     assert "ServerApp-side Aggregation Metrics" in repr(result) and "kept-aligned" in repr(result)
     printed = "\n".join(r.getMessage() for r in caplog.records)
     assert printed.index("ServerApp-side Aggregation Metrics") > printed.index("Final results")
+
+
+def test_the_engines_own_log_lines_reach_flowers_console() -> None:
+    """The sweep and the tracer log to ``fedfiot_flwr``; a strategy hands that logger Flower's handlers."""
+    flower = logging.getLogger("flwr")
+    assert flower.handlers  # Flower's console handler, which users watch
+    FedFiOT(model=Net())
+    package = logging.getLogger("fedfiot_flwr")
+    assert all(h in package.handlers for h in flower.handlers)
+    assert package.getEffectiveLevel() <= logging.INFO
+    record = logging.LogRecord("fedfiot_flwr.server.selection", logging.INFO, __file__, 1, "trying 36 knob settings",
+                               None, None)
+    assert any(h.filter(record) and h.level <= logging.INFO for h in package.handlers)
