@@ -144,16 +144,26 @@ def test_train_client_matches_the_library_train_and_pack() -> None:
 
 
 def test_few_round_smoke(tmp_path: Path) -> None:
-    payload = few_round.main(["--quick", "--rounds", "2", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
-                              "--quiet"])
+    payload = few_round.main(["--quick", "--rounds", "2", "--fedavg-rounds", "3", "--out", str(tmp_path), "--quiet"])
     recs = payload["records"]
-    assert sorted({(r["method"], r["round"]) for r in recs}) == sorted(
-        (m, r) for m in few_round.FEW_ROUND_METHODS for r in (1, 2))
+    rounds = {m: 3 if m == "fedavg" else 2 for m in few_round.FEW_ROUND_METHODS}
+    assert sorted({(r["method"], r["round"]) for r in recs if not r["method"].startswith("ablation:")}) == sorted(
+        (m, r) for m, n in rounds.items() for r in range(1, n + 1))
+    ablated = {(r["method"], r["round"]) for r in recs if r["method"].startswith("ablation:")}
+    assert ablated == {(f"ablation:{m}", r) for m in few_round.ABLATIONS for r in (1, 2)}
     for r in recs:
         assert math.isfinite(r["test_accuracy"]) and math.isfinite(r["alignment_fraction_permuted"]), r["method"]
-    assert (tmp_path / "few_round.png").is_file() and (tmp_path / "few_round.md").is_file()
+        assert r["upload_bytes_per_client"] > 0, r["method"]
+    # Round 1 is the same uploads for every method: the ablation's FedAvg equals FedAvg's own round 1.
+    first = {r["method"]: r["test_accuracy"] for r in recs if r["round"] == 1}
+    assert first["ablation:fedavg"] == first["fedavg"]
+    assert (tmp_path / "few_round.png").is_file()
     text = (tmp_path / "few_round.md").read_text()
-    assert f"| {H.METHOD_LABELS['fedfiot']} |" in text and "round 2" in text
+    assert f"| {few_round.LABELS['fedfiot']} |" in text and "FedAvg rounds" in text
+    # A second call with --resume keeps every trajectory and trains nothing new.
+    again = few_round.main(["--quick", "--rounds", "2", "--fedavg-rounds", "3", "--out", str(tmp_path), "--quiet",
+                            "--resume"])
+    assert len(again["records"]) == len(recs)
 
 
 def test_fedavg_gap_smoke(tmp_path: Path) -> None:
