@@ -28,8 +28,9 @@ DUPLICATE_REASON = "duplicate reply: only the node's first reply of the round co
 class FirstReplies:
     """One round's one-reply-per-node rule: a node's first reply counts, every later one is a duplicate.
 
-    Both strategy shells and :func:`collect_uploads` apply the rule through this class, in
-    arrival order, to every reply: content, error replies and failures alike.
+    The one implementation of the rule: both strategy shells apply it in arrival order to every
+    reply (content, error replies and failures alike), :func:`collect_uploads` to the replies it
+    is given.
 
     Examples
     --------
