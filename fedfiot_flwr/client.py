@@ -38,7 +38,6 @@ from fedfiot_flwr.wire import (  # re-exported: the client half of the wire form
     pack_gram_reply,
     pack_kfac_reply,
     pack_reply,
-    reply_num_bytes,
     unpack_reply,
 )
 
@@ -54,7 +53,6 @@ __all__ = [
     "fedavg_reply",
     "fisher_reply",
     "pack_reply",
-    "reply_num_bytes",
     "train_and_pack",
     "unpack_reply",
 ]

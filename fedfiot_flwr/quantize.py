@@ -120,6 +120,7 @@ def dequantize(
     scale: float | np.floating,
     dtype: npt.DTypeLike = np.float64,
     name: str = "tensor",
+    max_scale: float | None = None,
 ) -> np.ndarray:
     """Invert :func:`quantize`: ``Q(x) = scale * codes / LEVELS``.
 
@@ -134,6 +135,9 @@ def dequantize(
         (float32 output adds up to half a float32 ulp of rounding).
     name : str, optional
         Name used in error messages.
+    max_scale : float, optional
+        Largest accepted scale (see :func:`check_codes`). Since ``|codes| <= LEVELS``, it bounds
+        every ``|entry|`` of the result: no second pass over the output is needed.
 
     Returns
     -------
@@ -143,10 +147,11 @@ def dequantize(
     Raises
     ------
     ValueError
-        On codes out of range, a non-integer dtype or a negative / non-finite scale.
+        On codes out of range, a non-integer dtype, a negative / non-finite scale or one above
+        ``max_scale``.
     """
     codes = np.asarray(codes)
-    check_codes(codes, float(scale), name)
+    check_codes(codes, float(scale), name, max_scale=max_scale)
     # codes * scale is exact in float64 (16 x 24 significant bits); one rounding for / LEVELS.
     out = codes.astype(np.float64) * float(np.float32(scale)) / LEVELS
     return out.astype(dtype, copy=False)

@@ -151,6 +151,10 @@ def test_bad_inputs_name_the_client_and_layer() -> None:
     bad[1]["fc"] = KFACFactors("fc.weight", "fc.bias", _psd(4), _psd(3))  # A lacks the bias column
     with pytest.raises(ValueError, match=r"client b, layer 'fc': factor A has shape \(4, 4\), expected \(5, 5\)"):
         fedfisher_kfac(models, bad, n, steps=1, client_ids=["a", "b", "c"])
+    renamed = [dict(f) for f in factors]
+    renamed[2]["fc"] = KFACFactors("fc.weight", None, _psd(4), _psd(3))
+    with pytest.raises(ValueError, match="client 2, layer 'fc': weight/bias names differ"):
+        fedfisher_kfac(models, renamed, n, steps=1, checked=True)  # decoded uploads: names are still checked
     with pytest.raises(ValueError, match="client 2: num_examples"):
         fedfisher_kfac(models, factors, [1, 2, 0], steps=1)
     fishers = [{"fc.weight": -np.ones((3, 4))} for _ in models]

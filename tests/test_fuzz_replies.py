@@ -45,7 +45,8 @@ from hypothesis import strategies as st
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, FedFiOTLegacy, SweepGrid
 from fedfiot_flwr.merge.robust import cap_fishers
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
-from fedfiot_flwr.wire import pack_reply, reply_to_ndarrays, unpack_reply
+from fedfiot_flwr.server.legacy_envelope import reply_to_ndarrays
+from fedfiot_flwr.wire import pack_reply, unpack_reply
 
 MODELS = {"mlp": TinyMLP, "bn": TinyBN}
 CONFIGS = {

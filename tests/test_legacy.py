@@ -13,8 +13,9 @@ from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, FedFiOTLegacy
 from fedfiot_flwr.client import train_and_pack
 from fedfiot_flwr.merge import merge
+from fedfiot_flwr.server.legacy_envelope import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
 from fedfiot_flwr.server.shell import arrays_to_numpy
-from fedfiot_flwr.wire import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays, unpack_reply
+from fedfiot_flwr.wire import unpack_reply
 
 PAPER_ONCE = FedFiOTConfig.paper(sweep=None)
 

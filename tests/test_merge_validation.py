@@ -77,6 +77,21 @@ def test_buffers_are_declared_not_silently_dropped():
     assert res.model["b"].shape == (4,)
 
 
+def test_uploads_checked_by_the_wire_still_have_their_names_checked_against_buffers():
+    from fedfiot_flwr.merge import prepare_clients
+
+    models, fishers = good()
+    with pytest.raises(ValueError, match=r"buffers \['ghost'\] are not tensors"):
+        prepare_clients(models, fishers, buffers=["ghost"], checked=True)
+    with pytest.raises(ValueError, match=r"client '0': Fisher keys do not match.*extra \['b'\]"):
+        prepare_clients(models, fishers, buffers=["b"], checked=True)
+    # shapes and values are the decoder's to check: not looked at again
+    models[1]["w"][0, 0] = np.nan
+    assert len(prepare_clients(models, fishers, checked=True)) == 3
+    with pytest.raises(ValueError, match=r"client '1', tensor 'w'.*finite"):
+        prepare_clients(models, fishers)
+
+
 def test_fisher_scaling_options():
     models, fishers = good()
     with pytest.raises(ValueError, match="fisher_scaling"):

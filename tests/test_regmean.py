@@ -111,6 +111,8 @@ def test_bad_inputs_name_the_client_and_layer() -> None:
     bad[1] = {"": InputGram("weight", None, grams[1][""].gram)}
     with pytest.raises(ValueError, match="client 1, layer '': weight/bias names differ"):
         regmean_merge(models, bad, n)
+    with pytest.raises(ValueError, match="client 1, layer '': weight/bias names differ"):
+        regmean_merge(models, bad, n, checked=True)  # decoded uploads: names are still checked
     bad[1] = {"": InputGram("weight", "bias", np.eye(5))}
     with pytest.raises(ValueError, match=r"client 1, layer '': Gram has shape \(5, 5\), expected \(6, 6\)"):
         regmean_merge(models, bad, n)

@@ -230,8 +230,12 @@ def fedfisher_diag(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     client_ids: Sequence[str] | None = None,
+    checked: bool = False,
 ) -> FedFisherResult:
     """FedFisher with diagonal Fishers.
+
+    The input checks guard direct callers; uploads that came over the wire were validated when
+    they were decoded, and the server passes ``checked=True``.
 
     Parameters
     ----------
@@ -259,6 +263,9 @@ def fedfisher_diag(
         Working precision.
     client_ids : sequence of str, optional
         Names for error messages.
+    checked : bool
+        The uploads come from :func:`fedfiot_flwr.server.uploads.collect_uploads`: only counts
+        and tensor names are checked, not sizes, shapes or values again.
 
     Returns
     -------
@@ -271,7 +278,7 @@ def fedfisher_diag(
         entries, or bad optimisation settings.
     """
     t0 = time.perf_counter()
-    ids = check_clients(models, num_examples, client_ids)
+    ids = check_clients(models, num_examples, client_ids, checked=checked)
     _check_optim(steps, lr, eval_every, damping, optimizer)
     if len(fishers) != len(models):
         raise ValueError(f"fedfisher_diag: {len(fishers)} Fishers for {len(models)} models")
@@ -282,6 +289,8 @@ def fedfisher_diag(
         for name in names:
             if name not in model:
                 raise ValueError(f"client {cid}: Fisher entry {name!r} is not a model tensor")
+            if checked:
+                continue
             f = np.asarray(fisher[name])
             if f.shape != np.shape(model[name]):
                 raise ValueError(f"client {cid}, tensor {name!r}: Fisher shape {f.shape} differs from {np.shape(model[name])}")
@@ -329,7 +338,9 @@ def _check_factors(
     ids: Sequence[str],
     models: Sequence[Mapping[str, np.ndarray]],
     factors: Sequence[Mapping[str, KFACFactors]],
+    checked: bool = False,
 ) -> list[str]:
+    """The factored layers; with ``checked`` (decoded uploads) only counts and names are checked."""
     if len(factors) != len(models):
         raise ValueError(f"fedfisher_kfac: {len(factors)} factor sets for {len(models)} models")
     layers = list(factors[0])
@@ -346,6 +357,8 @@ def _check_factors(
             for name in (f.weight, f.bias):
                 if name is not None and name not in model:
                     raise ValueError(f"client {cid}, layer {layer!r}: tensor {name!r} is not in the model")
+            if checked:
+                continue
             w = np.asarray(model[f.weight])
             d_out, d_in = w.shape[0], int(np.prod(w.shape[1:])) + (f.bias is not None)
             for what, mat, size in (("A", f.A, d_in), ("G", f.G, d_out)):
@@ -372,8 +385,13 @@ def fedfisher_kfac(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     client_ids: Sequence[str] | None = None,
+    checked: bool = False,
 ) -> FedFisherResult:
     """FedFisher with K-FAC Fishers (one Kronecker-factored block per layer).
+
+    The input checks guard direct callers; uploads that came over the wire were validated when
+    they were decoded (every factor fits its layer and is finite), and the server passes
+    ``checked=True``.
 
     Parameters
     ----------
@@ -384,7 +402,7 @@ def fedfisher_kfac(
         client), as returned by :func:`fedfiot_flwr.curvature.kfac_factors`.
     num_examples : sequence of int
         Local data-set sizes.
-    steps, lr, eval_every, evaluate, fisher_scaling, damping, optimizer, device, dtype, client_ids
+    steps, lr, eval_every, evaluate, fisher_scaling, damping, optimizer, device, dtype, client_ids, checked
         As in :func:`fedfisher_diag`.
 
     Returns
@@ -399,9 +417,9 @@ def fedfisher_kfac(
         optimisation settings; the message names the client and layer.
     """
     t0 = time.perf_counter()
-    ids = check_clients(models, num_examples, client_ids)
+    ids = check_clients(models, num_examples, client_ids, checked=checked)
     _check_optim(steps, lr, eval_every, damping, optimizer)
-    layers = _check_factors(ids, models, factors)
+    layers = _check_factors(ids, models, factors, checked)
     init = size_weighted_average(models, num_examples)
     dev = _resolve(device)
     c = torch.as_tensor(client_weights(num_examples, fisher_scaling), device=dev).to(dtype)

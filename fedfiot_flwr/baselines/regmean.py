@@ -79,8 +79,12 @@ def scale_off_diagonal(gram: np.ndarray, alpha: float) -> np.ndarray:
 
 
 def _check_grams(
-    ids: Sequence[str], models: Sequence[Mapping[str, np.ndarray]], grams: Sequence[Mapping[str, InputGram]]
+    ids: Sequence[str],
+    models: Sequence[Mapping[str, np.ndarray]],
+    grams: Sequence[Mapping[str, InputGram]],
+    checked: bool = False,
 ) -> list[str]:
+    """The merged layers; with ``checked`` (decoded uploads) only counts and names are checked."""
     if len(grams) != len(models):
         raise ValueError(f"regmean: {len(grams)} Gram sets for {len(models)} models")
     layers = list(grams[0])
@@ -94,6 +98,8 @@ def _check_grams(
             for name in (g.weight, g.bias):
                 if name is not None and name not in model:
                     raise ValueError(f"client {cid}, layer {layer!r}: tensor {name!r} is not in the model")
+            if checked:
+                continue
             w = np.asarray(model[g.weight])
             if w.ndim != 2:
                 raise ValueError(f"client {cid}, layer {layer!r}: RegMean needs a 2-D Linear weight, got shape {w.shape}")
@@ -115,8 +121,13 @@ def regmean_merge(
     gram_scaling: str = "size",
     rcond: float = 1e-10,
     client_ids: Sequence[str] | None = None,
+    checked: bool = False,
 ) -> Model:
     """RegMean with one off-diagonal scaling ``alpha``.
+
+    The input checks guard direct callers; uploads that came over the wire were validated when
+    they were decoded (every Gram fits its Linear layer and is finite), and the server passes
+    ``checked=True``.
 
     Parameters
     ----------
@@ -135,6 +146,9 @@ def regmean_merge(
         Relative cut-off of the pseudo-inverse of ``S``.
     client_ids : sequence of str, optional
         Names for error messages.
+    checked : bool
+        The uploads come from :func:`fedfiot_flwr.server.uploads.collect_uploads`: only counts
+        and tensor names are checked, not sizes, shapes or values again.
 
     Returns
     -------
@@ -147,10 +161,10 @@ def regmean_merge(
         On inconsistent models, Gram sets or shapes, non-finite Grams or ``alpha`` outside
         ``[0, 1]``; the message names the client and layer.
     """
-    ids = check_clients(models, num_examples, client_ids)
+    ids = check_clients(models, num_examples, client_ids, checked=checked)
     if not (0.0 <= alpha <= 1.0):
         raise ValueError(f"regmean: alpha must lie in [0, 1], got {alpha!r}")
-    layers = _check_grams(ids, models, grams)
+    layers = _check_grams(ids, models, grams, checked)
     weights = client_weights(num_examples, "size")
     scale = np.asarray(num_examples, dtype=np.float64) if gram_scaling == "size" else client_weights(num_examples, gram_scaling)
     out = size_weighted_average(models, num_examples)
@@ -184,12 +198,13 @@ def regmean_select(
     gram_scaling: str = "size",
     rcond: float = 1e-10,
     client_ids: Sequence[str] | None = None,
+    checked: bool = False,
 ) -> RegMeanResult:
     """RegMean for every ``alpha`` in ``alphas``; keep the best on validation.
 
     Parameters
     ----------
-    models, grams, num_examples, gram_scaling, rcond, client_ids
+    models, grams, num_examples, gram_scaling, rcond, client_ids, checked
         As in :func:`regmean_merge`.
     evaluate : callable or None
         ``model -> score`` on the validation set (higher is better). ``None`` returns the
@@ -208,7 +223,7 @@ def regmean_select(
     scores: dict[float, float] = {}
     for alpha in alphas:
         model = regmean_merge(models, grams, num_examples, alpha=float(alpha), gram_scaling=gram_scaling,
-                              rcond=rcond, client_ids=client_ids)
+                              rcond=rcond, client_ids=client_ids, checked=checked)
         score = float("nan") if evaluate is None else float(evaluate(model))
         scores[float(alpha)] = score
         key = score if np.isfinite(score) else -np.inf

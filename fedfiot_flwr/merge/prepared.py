@@ -194,9 +194,14 @@ def prepare_clients(
     num_examples: Sequence[int] | None = None,
     client_ids: Sequence[str] | None = None,
     cache_bytes: int = 2**30,
+    checked: bool = False,
 ) -> PreparedClients:
     """Validate client uploads once, for any number of merges (:func:`fedfiot_flwr.merge.merge`
     accepts the result in place of ``models`` with ``fishers=None``).
+
+    The checks guard direct callers, who may pass any arrays; uploads that came over the wire
+    were validated when they were decoded (:func:`fedfiot_flwr.wire.decode_reply`), and the
+    server passes ``checked=True`` so that they are not validated again.
 
     Parameters
     ----------
@@ -205,6 +210,10 @@ def prepare_clients(
     cache_bytes : int
         Memory budget for cached tempered Fishers (each ``(fisher_scaling, rho)`` costs one
         float64 copy of all Fishers); above it, tensors are tempered when used.
+    checked : bool
+        The uploads come from :func:`fedfiot_flwr.server.uploads.collect_uploads`: their shapes,
+        values and sizes are not checked again, only the counts and the tensor names against
+        ``buffers`` (:func:`~fedfiot_flwr.merge.validate.check_models`).
 
     Returns
     -------
@@ -222,8 +231,8 @@ def prepare_clients(
     (1, {'w': (2,)})
     """
     ids = [str(i) for i in range(len(models))] if client_ids is None else [str(c) for c in client_ids]
-    shapes = check_models(models, fishers, buffers, ids)
-    check_num_examples(num_examples, len(models), ids)
+    shapes = check_models(models, fishers, buffers, ids, checked=checked)
+    check_num_examples(num_examples, len(models), ids, checked=checked)
     return PreparedClients(
         models=[{n: np.asarray(x) for n, x in m.items()} for m in models],
         fishers=[{n: np.asarray(f) for n, f in fk.items()} for fk in fishers],

@@ -54,8 +54,30 @@ def check_models(
     fishers: Sequence[Mapping[str, np.ndarray]],
     buffers: Collection[str],
     client_ids: Sequence[str],
+    *,
+    checked: bool = False,
 ) -> dict[str, tuple[int, ...]]:
-    """Check keys, shapes and values of the client models and Fishers; return the tensor shapes."""
+    """Check keys, shapes and values of the client models and Fishers; return the tensor shapes.
+
+    Parameters
+    ----------
+    models, fishers : sequence of mapping of str to np.ndarray
+        One state dict and one diagonal Fisher (parameters only) per client.
+    buffers : collection of str
+        Tensors without a Fisher.
+    client_ids : sequence of str
+        Named in every error.
+    checked : bool
+        The uploads were decoded by :func:`fedfiot_flwr.wire.decode_reply` and collected by
+        :func:`fedfiot_flwr.server.uploads.collect_uploads`, which guarantee their shapes, dtypes
+        and values: only the counts and the tensor names (against ``buffers``, the caller's own
+        argument) are checked. ``False`` (direct callers): everything is.
+
+    Returns
+    -------
+    dict[str, tuple[int, ...]]
+        The first client's tensor shapes.
+    """
     if len(models) == 0:
         raise ValueError("merge needs at least one client model")
     if len(fishers) != len(models):
@@ -67,19 +89,13 @@ def check_models(
     unknown_buffers = set(buffers) - set(shapes)
     if unknown_buffers:
         raise ValueError(f"buffers {sorted(unknown_buffers)} are not tensors of {_label(client_ids, 0)}'s model")
+    expected = set(shapes) - set(buffers)
     for k, (model, fisher) in enumerate(zip(models, fishers)):
         who = _label(client_ids, k)
         if set(model) != set(shapes):
             missing = sorted(set(shapes) - set(model))
             extra = sorted(set(model) - set(shapes))
             raise ValueError(f"{who}: model keys differ from client {client_ids[0]!r}'s: missing {missing}, extra {extra}")
-        for name, x in model.items():
-            arr = np.asarray(x)
-            if arr.shape != shapes[name]:
-                raise ValueError(f"{who}, tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
-            if not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr)):
-                raise ValueError(f"{who}, tensor {name!r}: weights must be finite numbers (found NaN/inf or non-numeric)")
-        expected = set(shapes) - set(buffers)
         if set(fisher) != expected:
             missing = sorted(expected - set(fisher))
             extra = sorted(set(fisher) - expected)
@@ -87,26 +103,45 @@ def check_models(
                 f"{who}: Fisher keys do not match the model's parameters: missing {missing}, extra {extra} "
                 "(declare tensors without a Fisher, such as BatchNorm running statistics, in buffers=)"
             )
-        for name, f in fisher.items():
-            arr = np.asarray(f)
-            if arr.shape != shapes[name]:
-                raise ValueError(f"{who}, Fisher of tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
-            if not np.all(np.isfinite(arr)):
-                raise ValueError(f"{who}, Fisher of tensor {name!r}: contains NaN or inf")
-            if np.any(arr < 0):
-                raise ValueError(f"{who}, Fisher of tensor {name!r}: contains negative entries")
+        if not checked:
+            _check_tensors(who, model, fisher, shapes)
     return shapes
 
 
-def check_num_examples(num_examples: Sequence[int] | None, n_clients: int, client_ids: Sequence[str]) -> None:
+def _check_tensors(
+    who: str, model: Mapping[str, np.ndarray], fisher: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    """One client's shapes and values: finite numbers, Fishers finite and non-negative."""
+    for name, x in model.items():
+        arr = np.asarray(x)
+        if arr.shape != shapes[name]:
+            raise ValueError(f"{who}, tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
+        if not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr)):
+            raise ValueError(f"{who}, tensor {name!r}: weights must be finite numbers (found NaN/inf or non-numeric)")
+    for name, f in fisher.items():
+        arr = np.asarray(f)
+        if arr.shape != shapes[name]:
+            raise ValueError(f"{who}, Fisher of tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"{who}, Fisher of tensor {name!r}: contains NaN or inf")
+        if np.any(arr < 0):
+            raise ValueError(f"{who}, Fisher of tensor {name!r}: contains negative entries")
+
+
+def check_num_examples(
+    num_examples: Sequence[int] | None, n_clients: int, client_ids: Sequence[str], *, checked: bool = False
+) -> None:
     """Check the client sizes (when given): real numbers in ``(0, MAX_NUM_EXAMPLES]``.
 
     Booleans, non-numbers and integers too large for a float are rejected before NumPy sees them.
+    With ``checked`` (sizes parsed by the wire decoder) only their count is checked.
     """
     if num_examples is None:
         return
     if len(num_examples) != n_clients:
         raise ValueError(f"num_examples has {len(num_examples)} entries for {n_clients} clients")
+    if checked:
+        return
     for k, n in enumerate(num_examples):
         ok = isinstance(n, Real) and not isinstance(n, (bool, np.bool_))
         try:

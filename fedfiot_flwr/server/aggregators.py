@@ -121,7 +121,11 @@ class Aggregator(Protocol):
         ...
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
-        """Merge the round's valid uploads (at least one)."""
+        """Merge the round's valid uploads (at least one).
+
+        ``uploads`` is what :func:`~fedfiot_flwr.server.uploads.collect_uploads` returns: every
+        upload was validated when it was decoded, so an aggregator does not validate it again.
+        """
         ...
 
 
@@ -370,6 +374,7 @@ class FedFisherAggregator:
             steps=self.steps, lr=self.lr, eval_every=self.eval_every,
             evaluate=_score_fn(context.validate, self.selection_metric), fisher_scaling=self.fisher_scaling,
             damping=self.damping, optimizer=self.optimizer, device=self.device, client_ids=uploads.client_ids,
+            checked=True,
         )
         extra: dict[str, Any] = {}
         if self.variant == "kfac":
@@ -444,7 +449,8 @@ class RegMeanAggregator:
 
         res = regmean_select(uploads.weights, uploads.grams, uploads.num_examples,
                              _score_fn(context.validate, self.selection_metric), alphas=self.alphas,
-                             gram_scaling=self.gram_scaling, rcond=self.rcond, client_ids=uploads.client_ids)
+                             gram_scaling=self.gram_scaling, rcond=self.rcond, client_ids=uploads.client_ids,
+                             checked=True)
         record = {"alpha_scores": {f"{a:g}": s for a, s in res.scores.items()}, "merged_layers": res.merged_layers,
                   "curvature_bytes_per_client": uploads.curvature_bytes_per_client, "ranks": uploads.ranks}
         return AggregateOutcome(res.model, {"alpha": res.alpha}, {"alpha": res.alpha}, record, seconds=res.seconds)

@@ -8,9 +8,9 @@
     content = fisher_reply(model, trainloader, metrics)
     return reply_to_ndarrays(content), num_examples, metrics
 
-(:func:`fedfiot_flwr.wire.reply_to_ndarrays`). The client's metrics travel inside the reply; without a
-``fit_metrics_aggregation_fn`` the strategy returns their example-weighted mean (names unchanged).
-Global parameters travel as usual: a list of arrays
+(:func:`fedfiot_flwr.server.legacy_envelope.reply_to_ndarrays`). The client's metrics travel
+inside the reply; without a ``fit_metrics_aggregation_fn`` the strategy returns their
+example-weighted mean (names unchanged). Global parameters travel as usual: a list of arrays
 in ``model.state_dict()`` order.
 """
 
@@ -31,12 +31,12 @@ from flwr.supercore import log
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.config import FedFiOTConfig
+from fedfiot_flwr.server.legacy_envelope import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
 from fedfiot_flwr.server.rounds import RoundMerger
 from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.shell import ValidateFn, buffers_of, check_sampling, metric_record
 from fedfiot_flwr.server.strategies import fedfiot_aggregator
-from fedfiot_flwr.server.uploads import DUPLICATE_REASON
-from fedfiot_flwr.wire import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
+from fedfiot_flwr.server.uploads import FirstReplies
 
 if TYPE_CHECKING:
     import torch
@@ -141,13 +141,13 @@ class FedFiOTLegacy(FedAvg):
         """
         good: list[tuple[str, RecordDict]] = []
         errors: list[tuple[str, str]] = []
-        seen: set[str] = set()  # one reply per client: results first, then failures
+        first = FirstReplies()  # results first, then failures
         for proxy, fit_res in results:
             cid = str(proxy.cid)
-            if cid in seen:
-                errors.append((cid, DUPLICATE_REASON))
+            duplicate = first.duplicate(cid)
+            if duplicate is not None:
+                errors.append((cid, duplicate))
                 continue
-            seen.add(cid)
             try:
                 good.append((cid, fitres_to_reply(fit_res, cid)))
             except Exception as exc:  # noqa: BLE001 - an untrusted reply excludes itself, never the round
@@ -159,8 +159,7 @@ class FedFiOTLegacy(FedAvg):
             proxy, fit_res = failure
             cid = str(proxy.cid)
             reason = f"failure: {fit_res.status.code.name}: {fit_res.status.message}"
-            errors.append((cid, f"{DUPLICATE_REASON} ({reason})" if cid in seen else reason))
-            seen.add(cid)
+            errors.append((cid, first.duplicate(cid, reason) or reason))
         result = self.merger.merge(server_round, good, errors, self._broadcast)
         self.server_metrics[server_round] = dict(metric_record(result.report["server_metrics"]))
         log(DEBUG, "FedFiOTLegacy round %s server-side metrics: %s", server_round,

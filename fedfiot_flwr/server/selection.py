@@ -244,7 +244,9 @@ def merge_round(
     Parameters
     ----------
     uploads : CollectedUploads
-        Valid, dequantized uploads (at least one).
+        Valid, dequantized uploads (at least one), as :func:`fedfiot_flwr.server.uploads.collect_uploads`
+        returns them: their shapes and values were validated when they were decoded and are not
+        checked again.
     spec : PermutationSpec
         Permutation spec of the model.
     default : Candidate
@@ -291,7 +293,7 @@ def merge_round(
         cold start: opt-in.
 
     Every candidate merges the same uploads, so the sweep shares its work: the uploads are
-    checked once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
+    prepared once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
     computed once for all references, and each distinct model is validated once.
 
     Returns
@@ -312,8 +314,8 @@ def merge_round(
         candidates = [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
 
     fishers = uploads.fishers if fisher_cap is None else cap_fishers(uploads.fishers, fisher_cap)
-    clients = prepare_clients(uploads.weights, fishers, buffers=buffers,
-                              num_examples=uploads.num_examples, client_ids=uploads.client_ids)
+    clients = prepare_clients(uploads.weights, fishers, buffers=buffers, num_examples=uploads.num_examples,
+                              client_ids=uploads.client_ids, checked=True)
     speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver, "certify": certify}
     starts = WarmStarts() if warm_start and matching != "none" else None
     validated = _CachedValidation(validate) if validate is not None else None

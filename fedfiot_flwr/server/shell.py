@@ -31,7 +31,7 @@ from fedfiot_flwr.server.aggregators import Aggregator
 from fedfiot_flwr.server.nodes import NodeWaiter
 from fedfiot_flwr.server.rounds import RoundMerger, RoundResult
 from fedfiot_flwr.server.server_data import plan_server_data
-from fedfiot_flwr.server.uploads import DUPLICATE_REASON
+from fedfiot_flwr.server.uploads import FirstReplies
 from fedfiot_flwr.options import Model
 
 if TYPE_CHECKING:
@@ -333,16 +333,16 @@ class MergeStrategy(FedAvg):
         """
         sent = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent if m.metadata.message_id}
         good, errors = [], []
-        seen: set[str] = set()  # in arrival order, a node's first reply counts
+        first = FirstReplies()  # in arrival order, error replies included
         for msg in replies:
             node = self._node_of(msg, sent)
-            if node in seen:
-                errors.append((node, DUPLICATE_REASON))
+            duplicate = first.duplicate(node)
+            if duplicate is not None:
+                errors.append((node, duplicate))
             elif msg.has_error():
                 errors.append((node, f"error reply: {msg.error.reason} (code {msg.error.code})"))
             else:
                 good.append((node, msg.content))
-            seen.add(node)
         lost = self.unavailable_nodes.get(server_round)
         try:
             result = self.merger.merge(server_round, good, errors, self._broadcast)

@@ -17,18 +17,53 @@ from flwr.app import RecordDict
 
 from fedfiot_flwr.psd import InputGram, KFACFactors
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
-from fedfiot_flwr.wire import (
-    FACTOR_PREFIX,
-    ClientUpload,
-    CurvatureUpload,
-    content_bytes,
-    decode_reply,
-    reply_layout,
-)
+from fedfiot_flwr.wire import ClientUpload, CurvatureUpload, content_bytes, decode_reply, payload_bytes, reply_layout
 
-__all__ = ["DUPLICATE_REASON", "CollectedUploads", "Rejection", "collect_uploads", "majority_layout", "require_enough"]
+__all__ = ["DUPLICATE_REASON", "CollectedUploads", "FirstReplies", "Rejection", "collect_uploads", "majority_layout",
+           "require_enough"]
 
 DUPLICATE_REASON = "duplicate reply: only the node's first reply of the round counts"
+
+
+class FirstReplies:
+    """One round's one-reply-per-node rule: a node's first reply counts, every later one is a duplicate.
+
+    The one implementation of the rule: both strategy shells apply it in arrival order to every
+    reply (content, error replies and failures alike), :func:`collect_uploads` to the replies it
+    is given.
+
+    Examples
+    --------
+    >>> first = FirstReplies()
+    >>> first.duplicate("7"), first.duplicate("8"), first.duplicate("7") == DUPLICATE_REASON
+    (None, None, True)
+    >>> first.duplicate("8", "failure: timeout")
+    "duplicate reply: only the node's first reply of the round counts (failure: timeout)"
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def duplicate(self, node: str, reason: str | None = None) -> str | None:
+        """Why ``node``'s reply is excluded as a duplicate, or ``None`` for its first reply.
+
+        Parameters
+        ----------
+        node : str
+            The node the reply answers for.
+        reason : str, optional
+            What else was wrong with the reply (a failure), added to the duplicate's reason.
+
+        Returns
+        -------
+        str or None
+            :data:`DUPLICATE_REASON` (with ``reason`` in parentheses) when ``node`` already replied
+            this round; ``None`` otherwise, and ``node`` has now replied.
+        """
+        if node in self._seen:
+            return DUPLICATE_REASON if reason is None else f"{DUPLICATE_REASON} ({reason})"
+        self._seen.add(node)
+        return None
 
 
 @dataclass
@@ -128,7 +163,7 @@ def collect_uploads(
         Valid uploads in reply order and the rejections with their reasons.
     """
     out = CollectedUploads()
-    seen: set[str] = set()
+    first = FirstReplies()
     for client, reason in errors:
         out.rejections.append(Rejection(str(client), str(reason)))
     shapes = None if expected_shapes is None else dict(expected_shapes)
@@ -138,10 +173,10 @@ def collect_uploads(
         nbytes = content_bytes(content)
         out.bytes_received += nbytes
         out.bytes_per_client[client] = out.bytes_per_client.get(client, 0) + nbytes
-        if client in seen:
-            out.rejections.append(Rejection(client, DUPLICATE_REASON))
+        duplicate = first.duplicate(client)
+        if duplicate is not None:
+            out.rejections.append(Rejection(client, duplicate))
             continue
-        seen.add(client)
         try:
             decoded.append((client, content, decode_reply(content, kind, client=client, expected_shapes=shapes,
                                                           buffers=buffers, fisher_kind=fisher_kind,
@@ -175,9 +210,7 @@ def collect_uploads(
             out.grams.append(dict(up.grams))
             out.fisher_kinds.append(up.fisher_kind)
             out.ranks.append(up.rank)
-            out.curvature_bytes_per_client[client] = int(sum(
-                len(a.data) for rec in content.array_records.values() for k, a in rec.items()
-                if k.startswith(FACTOR_PREFIX)))
+            out.curvature_bytes_per_client[client] = payload_bytes(content)["curvature"]
     return out
 
 

@@ -1,0 +1,258 @@
+"""The compressed-PSD curvature codec: FedFisher (K-FAC) and RegMean replies (numpy + flwr only).
+
+A curvature reply is a FedFiOT reply without Fishers (:mod:`fedfiot_flwr.wire.q16`) plus, in the
+same ArrayRecord, one ``fedfiot.psd8.v1`` Array per factor keyed ``curvature/<module>/<factor>``
+(``A`` and ``G`` for K-FAC, ``gram`` for RegMean: ``r`` float32 column scales, then ``n r`` int8
+codes, see :mod:`fedfiot_flwr.psd`) and a ConfigRecord ``"curvature"`` describing the layers.
+Decoding checks every factor against :data:`~fedfiot_flwr.reply_limits.MAX_CURVATURE_MAGNITUDE`
+as it rebuilds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from fedfiot_flwr.psd import CompressedPSD, InputGram, KFACFactors, compress_psd, decompress_psd, rank_for_budget
+from fedfiot_flwr.reply_limits import MAX_CURVATURE_MAGNITUDE, check_magnitude
+from fedfiot_flwr.wire.q16 import pack_reply, unpack_reply
+from fedfiot_flwr.wire.records import (
+    ARRAYS_RECORD,
+    CURVATURE_METHODS,
+    CURVATURE_RECORD,
+    FACTOR_PREFIX,
+    STYPE_PSD8,
+    CurvatureUpload,
+)
+from fedfiot_flwr.wire.sizes import fedavg_payload_bytes, payload_bytes
+
+__all__ = ["pack_gram_reply", "pack_kfac_reply", "unpack_curvature_reply"]
+
+
+def _encode_psd(c: CompressedPSD) -> Array:
+    """A compressed factor as an Array: column scales, then the codes."""
+    data = c.scales.astype("<f4").tobytes() + c.codes.astype(np.int8).tobytes()
+    return Array(dtype="int8", shape=(c.size, c.rank), stype=STYPE_PSD8, data=data)
+
+
+def _pack(
+    state: Mapping[str, Any],
+    num_examples: int,
+    metrics: Mapping[str, float] | None,
+    method: str,
+    fisher_kind: str,
+    layers: Mapping[str, tuple[str, str | None, dict[str, np.ndarray]]],
+    rank: int | str | None,
+) -> RecordDict:
+    """The weights without a Fisher plus every layer's compressed factors and their description."""
+    content = pack_reply(state, {}, num_examples, metrics)
+    arrays = content[ARRAYS_RECORD]
+    if isinstance(rank, str):
+        if rank != "fedavg":
+            raise ValueError(f"rank must be an int, None or 'fedavg', got {rank!r}")
+        budget = fedavg_payload_bytes(state) - payload_bytes(content)["weights"]
+        sizes = [m.shape[0] for _, _, mats in layers.values() for m in mats.values()]
+        rank = rank_for_budget(sizes, budget)
+    elif rank is not None and (int(rank) != rank or rank < 1):
+        raise ValueError(f"rank must be a positive integer, got {rank!r}")
+    for module, (_, _, mats) in layers.items():
+        for what, mat in mats.items():
+            key = f"{FACTOR_PREFIX}{module}/{what}"
+            if key in arrays:
+                raise ValueError(f"factor key {key!r} collides with a state-dict entry")
+            arrays[key] = _encode_psd(compress_psd(mat, rank, f"{module} {what}"))
+    content[CURVATURE_RECORD] = ConfigRecord(
+        {
+            "method": method,
+            "fisher-kind": fisher_kind,
+            "layers": list(layers),
+            "weights": [w for w, _, _ in layers.values()],
+            "biases": ["" if b is None else b for _, b, _ in layers.values()],
+            "rank": -1 if rank is None else int(rank),
+        }
+    )
+    return content
+
+
+def pack_kfac_reply(
+    state: Mapping[str, Any],
+    factors: Mapping[str, KFACFactors],
+    num_examples: int,
+    *,
+    fisher_kind: str,
+    rank: int | str | None = "fedavg",
+    metrics: Mapping[str, float] | None = None,
+) -> RecordDict:
+    """FedFisher (K-FAC) reply: 16-bit weights plus 8-bit low-rank ``A`` and ``G``.
+
+    Parameters
+    ----------
+    state : mapping of str to array
+        The trained model's ``state_dict()``.
+    factors : mapping of str to KFACFactors
+        :func:`fedfiot_flwr.curvature.kfac_factors`' output.
+    num_examples : int
+        Local data-set size (> 0).
+    fisher_kind : str
+        The label choice the factors were computed with (recorded for the server).
+    rank : int, None or "fedavg"
+        Shared rank cap; ``None`` keeps full rank; ``"fedavg"`` fits FedAvg's upload.
+    metrics : mapping of str to float, optional
+        Training metrics.
+
+    Returns
+    -------
+    RecordDict
+
+    Raises
+    ------
+    ValueError
+        On a bad rank, an empty factor set or anything :func:`pack_reply` rejects.
+    """
+    if not factors:
+        raise ValueError("pack_kfac_reply: no K-FAC factors")
+    layers = {m: (f.weight, f.bias, {"A": f.A, "G": f.G}) for m, f in factors.items()}
+    return _pack(state, num_examples, metrics, "kfac", str(fisher_kind), layers, rank)
+
+
+def pack_gram_reply(
+    state: Mapping[str, Any],
+    grams: Mapping[str, InputGram],
+    num_examples: int,
+    *,
+    rank: int | str | None = "fedavg",
+    metrics: Mapping[str, float] | None = None,
+) -> RecordDict:
+    """RegMean reply: 16-bit weights plus each Linear layer's 8-bit low-rank Gram.
+
+    Parameters are as in :func:`pack_kfac_reply` (``grams`` from
+    :func:`fedfiot_flwr.curvature.input_grams`).
+    """
+    if not grams:
+        raise ValueError("pack_gram_reply: no Gram matrices")
+    layers = {m: (g.weight, g.bias, {"gram": g.gram}) for m, g in grams.items()}
+    return _pack(state, num_examples, metrics, "gram", "none", layers, rank)
+
+
+def _decode_psd(client: str, key: str, arr: Array) -> np.ndarray:
+    """One factor, rebuilt to a dense ``n x n`` matrix and checked against its bound."""
+    where = f"client {client}: factor {key!r}"
+    if not isinstance(arr, Array) or arr.stype != STYPE_PSD8 or arr.dtype != "int8":
+        raise ValueError(f"{where}: expected an int8 Array with stype {STYPE_PSD8!r}")
+    shape = tuple(arr.shape)
+    if len(shape) != 2 or any((not isinstance(s, int)) or s < 0 for s in shape):
+        raise ValueError(f"{where}: bad shape {shape!r}")
+    n, r = shape
+    if len(arr.data) != 4 * r + n * r:
+        raise ValueError(f"{where}: {len(arr.data)} data bytes, expected {4 * r + n * r} for shape {shape}")
+    scales = np.frombuffer(arr.data, dtype="<f4", count=r).astype(np.float32)
+    codes = np.frombuffer(arr.data, dtype=np.int8, offset=4 * r).reshape(n, r)
+    try:
+        mat = decompress_psd(CompressedPSD(codes, scales), name=key)
+    except ValueError as err:
+        raise ValueError(f"client {client}: {err}") from err
+    # A PSD matrix has no entry larger than its largest diagonal one (Cauchy-Schwarz); float32
+    # scales keep every product finite in float64, so this bounds the whole factor.
+    check_magnitude(float(mat.diagonal().max()) if n else 0.0, MAX_CURVATURE_MAGNITUDE, where)
+    return mat
+
+
+def unpack_curvature_reply(
+    content: RecordDict,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    client: str = "?",
+    *,
+    dtype: np.dtype | type = np.float32,
+) -> CurvatureUpload:
+    """Validate and dequantize a reply of :func:`pack_kfac_reply` or :func:`pack_gram_reply`.
+
+    Parameters
+    ----------
+    content : RecordDict
+        The reply's content.
+    expected_shapes : mapping of str to tuple of int, optional
+        The model's state-dict shapes; weights must match them exactly.
+    client : str
+        Client id for error messages.
+    dtype : numpy dtype
+        dtype of the dequantized weights (factors are float64).
+
+    Returns
+    -------
+    CurvatureUpload
+
+    Raises
+    ------
+    ValueError
+        Naming the client and tensor/factor, on a missing record or key, a malformed factor,
+        a factor whose size does not fit its layer, one with an entry above
+        :data:`~fedfiot_flwr.reply_limits.MAX_CURVATURE_MAGNITUDE`, or anything
+        :func:`~fedfiot_flwr.wire.unpack_reply` rejects.
+    """
+    if not isinstance(content, RecordDict):
+        raise ValueError(f"client {client}: reply content is a {type(content).__name__}, not a RecordDict")
+    meta = content.get(CURVATURE_RECORD)
+    arrays = content.get(ARRAYS_RECORD)
+    if not isinstance(meta, ConfigRecord) or not isinstance(arrays, ArrayRecord):
+        raise ValueError(f"client {client}: reply lacks the ConfigRecord {CURVATURE_RECORD!r} or the ArrayRecord "
+                         f"{ARRAYS_RECORD!r} (records: {sorted(content.keys())})")
+    try:
+        method = str(meta["method"])
+        fisher_kind = str(meta["fisher-kind"])
+        layers = [str(x) for x in meta["layers"]]
+        wnames = [str(x) for x in meta["weights"]]
+        bnames = [str(x) for x in meta["biases"]]
+        rank = int(meta["rank"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"client {client}: malformed {CURVATURE_RECORD!r} record ({err!r})") from err
+    if method not in CURVATURE_METHODS:
+        raise ValueError(f"client {client}: unknown curvature method {method!r}")
+    if not (len(layers) == len(wnames) == len(bnames)) or not layers:
+        raise ValueError(f"client {client}: {CURVATURE_RECORD!r} lists {len(layers)} layers, "
+                         f"{len(wnames)} weights and {len(bnames)} biases")
+    plain = ArrayRecord({k: v for k, v in arrays.items() if not k.startswith(FACTOR_PREFIX)})
+    rest = {k: v for k, v in content.items() if k not in (ARRAYS_RECORD, CURVATURE_RECORD)}
+    base = unpack_reply(RecordDict({ARRAYS_RECORD: plain, **rest}), expected_shapes, client, dtype=dtype)
+    names = ("A", "G") if method == "kfac" else ("gram",)
+    expected_keys = {f"{FACTOR_PREFIX}{m}/{w}" for m in layers for w in names}
+    got_keys = {k for k in arrays if k.startswith(FACTOR_PREFIX)}
+    if got_keys != expected_keys:
+        raise ValueError(f"client {client}: factor arrays differ from the listed layers: "
+                         f"missing {sorted(expected_keys - got_keys)}, extra {sorted(got_keys - expected_keys)}")
+    factors: dict[str, KFACFactors] = {}
+    grams: dict[str, InputGram] = {}
+    for module, wname, bname in zip(layers, wnames, bnames):
+        bias = bname or None
+        for name in (wname, bias):
+            if name is not None and name not in base.weights:
+                raise ValueError(f"client {client}: layer {module!r} names tensor {name!r}, which is not in the reply")
+        w = base.weights[wname]
+        if method == "gram" and w.ndim != 2:
+            raise ValueError(f"client {client}: RegMean layer {module!r} has a {w.ndim}-D weight, expected a Linear one")
+        sizes = {"A": int(np.prod(w.shape[1:])) + (bias is not None), "G": int(w.shape[0])}
+        sizes["gram"] = sizes["A"]
+        mats = {}
+        for what in names:
+            key = f"{FACTOR_PREFIX}{module}/{what}"
+            mat = _decode_psd(client, key, arrays[key])
+            if mat.shape[0] != sizes[what]:
+                raise ValueError(f"client {client}: factor {key!r} is {mat.shape[0]}x{mat.shape[0]}, "
+                                 f"expected {sizes[what]}x{sizes[what]} for tensor {wname!r}")
+            mats[what] = mat
+        if method == "kfac":
+            factors[module] = KFACFactors(wname, bias, mats["A"], mats["G"])
+        else:
+            grams[module] = InputGram(wname, bias, mats["gram"])
+    return CurvatureUpload(
+        weights=base.weights,
+        num_examples=base.num_examples,
+        method=method,
+        fisher_kind=None if fisher_kind in ("", "none") else fisher_kind,
+        rank=None if rank < 0 else rank,
+        factors=factors,
+        grams=grams,
+        metrics=base.metrics,
+    )
