@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.merge.robust import cap_fishers
 from fedfiot_flwr.server.warm_starts import WarmStarts
@@ -144,7 +145,7 @@ class MergeOutcome:
     trials : list[dict]
         One entry per (candidate, variant) tried: configuration, objectives, validation metrics.
     baseline_model : dict[str, np.ndarray] or None
-        FedAvg of the same uploads (``matching="none"``, ``aggregation="size"``).
+        FedAvg of the same uploads (:func:`fedfiot_flwr.baselines.size_weighted_average`).
     baseline_validation : dict[str, float] or None
         Validation metrics of the FedAvg baseline.
     seconds : float
@@ -370,11 +371,7 @@ def merge_round(
     own = (model, variant, val)
     baseline_model = baseline_val = None
     if baseline or (fedavg_candidate and validate is not None):
-        base = merge(
-            clients, None, spec, lam=default.lam, rho=default.rho, max_iters=1,
-            reference="largest", matching="none", aggregation="size",
-        )
-        baseline_model = base.model
+        baseline_model = size_weighted_average(uploads.weights, uploads.num_examples)
         baseline_val = validated(baseline_model) if validated is not None else None
     if len(trials) > 1:
         logger.info("FedFiOT round %s: selected %s (%s) out of %d trials (%d distinct models validated)",
