@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import server_methods as S  # noqa: E402
 from fedfiot_flwr.baselines import size_weighted_average  # noqa: E402
+from fedfiot_flwr.choose import best_index  # noqa: E402
 from fedfiot_flwr.refine import RefineOptions, RefinementStage  # noqa: E402
 
 METHODS = ("fedfiot-refined", "fedfiot-refined-unaligned", "fedavg-refined", "regmean-refined",
@@ -85,7 +86,7 @@ def starts(setting: H.Setting, split: Any, uploads: H.Uploads, build: Callable[[
         out["regmean-refined"] = (reg.model, None)
     if "best-single-client-refined" in methods:
         scores = [sel_validate(w)["accuracy"] for w in q.weights]
-        out["best-single-client-refined"] = (q.weights[int(np.argmax(scores))], None)
+        out["best-single-client-refined"] = (q.weights[best_index(scores)], None)
     if "fresh-refined" in methods:
         out["fresh-refined"] = (_fresh(build, setting.seed), None)
     return {m: start for m, start in out.items() if m in methods}

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.audit_folds import audit_cell, cell_arguments  # noqa: E402
+from fedfiot_flwr.choose import best_index  # noqa: E402
 from fedfiot_flwr.refine import RefineOptions  # noqa: E402
 
 PREVIOUS = RefineOptions(finetune_epochs=10, augment_copies=3, finetune_schedule="constant", checkpoint_every=2,
@@ -53,12 +54,8 @@ RULE_LABELS = {"previous": "10 epochs, constant"}
 
 
 def _pick(scores: dict[str, float], names: list[str]) -> str:
-    """The first of ``names`` with the highest selection score (the refinement's own tie rule)."""
-    best = names[0]
-    for n in names[1:]:
-        if scores[n] > scores[best]:
-            best = n
-    return best
+    """The winner among ``names`` by selection score, under the refinement's own rule (:mod:`fedfiot_flwr.choose`)."""
+    return names[best_index([scores[n] for n in names])]
 
 
 def choices(scores: dict[str, float]) -> dict[str, str]:

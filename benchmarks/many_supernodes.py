@@ -1,6 +1,6 @@
 """A ``flwr run`` simulation with many SuperNodes: one-shot FedFiOT, small MLP, digits.
 
-Starts a private local federation (:class:`fedfiot_flwr.launch.LocalFederation`: own
+Starts a private local federation (:class:`scripts.launch.LocalFederation`: own
 ``FLWR_HOME``, free ports, processes stopped by PID) with ``--supernodes`` SuperNodes, runs the
 app once and writes the wall time, the server's merge and selection time and the accuracies
 to ``benchmarks/results/many_supernodes.md``.
@@ -38,7 +38,7 @@ def main() -> int:
     parser.add_argument("--results-dir", default="/tmp/fedfiot-many-supernodes")
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args()
-    from fedfiot_flwr.launch import main as launch
+    from scripts.launch import main as launch
 
     k = args.supernodes
     run_name = f"supernodes{k}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader
 
 from benchmarks import harness as H
+from fedfiot_flwr.choose import best_index
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.refine import RefineOptions
@@ -84,7 +85,7 @@ def floors_and_ceilings(uploads: H.Uploads, build: Callable[[], torch.nn.Module]
         logits = lg if logits is None else logits + lg
     assert logits is not None and y is not None
     seconds = time.perf_counter() - t0
-    best = int(np.argmax(val))
+    best = best_index(val)
     out = []
     if "best-single-client" in methods:
         out.append({"method": "best-single-client", "test_accuracy": tests[best], "validation_accuracy": val[best],

@@ -13,6 +13,14 @@ start=$SECONDS
 "$work/venv/bin/python" -m pip wheel -q --no-deps -w "$work/dist" .
 wheels=("$work"/dist/fedfiot_flwr-*.whl)
 [[ ${#wheels[@]} == 1 && -f ${wheels[0]} ]] || { echo "check_wheel: expected one wheel, got: ${wheels[*]}" >&2; exit 1; }
+# The wheel ships the package only: the repository's tools (scripts/launch.py, benchmarks/) stay out.
+"$PY" - "${wheels[0]}" <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+stray = [n for n in names if not n.startswith(("fedfiot_flwr/", "fedfiot_flwr-"))]
+assert not stray, f"check_wheel: files outside the package in the wheel: {stray}"
+assert not any(n.endswith("/launch.py") for n in names), "check_wheel: the launcher is in the wheel"
+PY
 # torch first, as a CPU build where this machine's disk holds one (much smaller than the CUDA build
 # pip picks otherwise); the wheel's own "torch>=2.4" then installs nothing more. Any torch will do.
 "$work/venv/bin/python" -m pip install -q "${WHEEL_CHECK_TORCH:-torch==2.13.0}" 2>/dev/null \

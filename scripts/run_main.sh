@@ -20,4 +20,4 @@ cd "$(dirname "$0")/.."
 if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
   bash scripts/setup.sh
 fi
-exec .venv/bin/python -m fedfiot_flwr.launch --app . --results-dir results "$@"
+exec .venv/bin/python -m scripts.launch --app . --results-dir results "$@"

@@ -126,7 +126,7 @@ def test_plain_flwr_run_follows_the_default_federation(tmp_path: Path) -> None:
     (app / "pyproject.toml").write_text(text)
     pyproject = (app / "pyproject.toml").read_bytes()
     home = tmp_path / "flwr-home"
-    from fedfiot_flwr.launch import free_ports
+    from scripts.launch import free_ports
 
     # Free ports, so that neither another SuperLink on Flower's default 39091 is reused nor
     # this one collides with anything (the managed SuperLink honours these variables).

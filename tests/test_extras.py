@@ -99,6 +99,28 @@ def test_the_test_extra_holds_every_other_extra_but_the_optional_tools() -> None
         assert {str(r) for r in _extra_closure(extras, extra)} <= test, extra
 
 
+def _imported_top_level_modules(path: Path) -> set[str]:
+    """Top-level names of every module ``path`` imports, wherever the import statement is."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+def test_the_package_imports_nothing_only_the_test_extra_installs() -> None:
+    """Test-only tools (the local federation launcher and its TLS helpers) live outside the wheel."""
+    extras = _pyproject()["project"]["optional-dependencies"]
+    test_only = {Requirement(t).name for t in extras["test"] if Requirement(t).name != "fedfiot-flwr"}
+    assert "cryptography" in test_only
+    found = {path.relative_to(ROOT).as_posix(): sorted(_imported_top_level_modules(path) & test_only)
+             for path in sorted((ROOT / "fedfiot_flwr").rglob("*.py"))}
+    assert {where: names for where, names in found.items() if names} == {}
+    assert "cryptography" in _imported_top_level_modules(ROOT / "scripts" / "launch.py")  # the scan sees them
+
+
 def test_every_lazy_name_of_the_data_package_resolves() -> None:
     import fedfiot_flwr.data as data
 
@@ -218,7 +240,7 @@ def test_launch_in_simulation_mode_without_ray_names_the_simulation_extra(
 ) -> None:
     import importlib.util
 
-    from fedfiot_flwr import launch
+    from scripts import launch
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fedfiot_flwr.launch import app_error, failure_message, parse_run_config
+from scripts.launch import app_error, failure_message, parse_run_config
 
 # What `flwr run --stream` printed for `--run-config "alpha=-1"` (frames trimmed, colour codes kept).
 STREAM = """\

@@ -14,7 +14,7 @@ from _fedfiot_helpers import ROOT, SHAPES, SPEC, FakeGrid, app_snapshot, live_pr
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fedfiot_flwr import FedFiOT
-from fedfiot_flwr.launch import LocalFederation
+from scripts.launch import LocalFederation
 
 
 def _arrays() -> ArrayRecord:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from _fedfiot_helpers import ROOT, live_processes
 
-from fedfiot_flwr.launch import LocalFederation
+from scripts.launch import LocalFederation
 
 TEMPLATE = ROOT / "tests" / "template_app"
 NUM_SUPERNODES = 4

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from _fedfiot_helpers import ROOT, live_processes
 
-from fedfiot_flwr.launch import LocalFederation, generate_supernode_key, generate_tls_files
+from scripts.launch import LocalFederation, generate_supernode_key, generate_tls_files
 
 
 @pytest.mark.slow

@@ -1,10 +1,16 @@
-"""Input checks and the size-weighted average shared by the one-shot baselines (no Flower)."""
+"""Input checks and FedAvg, the size-weighted average, shared by every method (no Flower).
+
+:func:`size_weighted_average` is the package's one FedAvg: the strategies' FedAvg, the FedAvg
+baseline and candidate of FedFiOT's selection, and the starting point of FedFisher and RegMean.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from fedfiot_flwr.merge.dtypes import cast_average
 
 __all__ = ["check_clients", "client_weights", "size_weighted_average"]
 
@@ -104,8 +110,10 @@ def size_weighted_average(
 ) -> dict[str, np.ndarray]:
     """FedAvg: ``sum_k n_k W_k / sum_k n_k`` per tensor (float64 accumulation).
 
-    Float tensors keep the first model's dtype; integer tensors (``num_batches_tracked``)
-    take the first client's value.
+    Float and integer tensors come back in the first model's dtype by the merge engine's rule
+    (:func:`fedfiot_flwr.merge.dtypes.cast_average`): integer tensors (``num_batches_tracked``)
+    take the weighted mean rounded to the nearest integer. Other tensors (booleans) take the
+    first client's value.
 
     Parameters
     ----------
@@ -123,11 +131,11 @@ def size_weighted_average(
     out: dict[str, np.ndarray] = {}
     for name, first in models[0].items():
         first = np.asarray(first)
-        if not np.issubdtype(first.dtype, np.floating):
+        if not (np.issubdtype(first.dtype, np.floating) or np.issubdtype(first.dtype, np.integer)):
             out[name] = first.copy()
             continue
         # first + sum_k w_k (x_k - first): exactly ``first`` when every client sends it.
         base = first.astype(np.float64)
         acc = base + sum(wk * (np.asarray(m[name], dtype=np.float64) - base) for wk, m in zip(w, models))
-        out[name] = np.asarray(acc, dtype=first.dtype)
+        out[name] = np.asarray(cast_average(np.asarray(acc), first.dtype))
     return out

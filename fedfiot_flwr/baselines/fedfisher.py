@@ -33,8 +33,9 @@ Choices (documented because the paper leaves them open):
   conditioned) minimiser of the K-FAC objective within a few hundred steps, so its
   validation accuracy peaks at the first checkpoint and then falls;
 - checkpoints are scored at step 0 (the size-weighted average), every ``eval_every``
-  steps and after the last step; the best score wins, ties go to the earlier step; without
-  ``evaluate`` the last iterate is returned.
+  steps and after the last step; the best score wins under :mod:`fedfiot_flwr.choose` (a NaN
+  score never wins, ties go to the earlier step); without ``evaluate`` the last iterate is
+  returned.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import torch
 
 from fedfiot_flwr.batches import resolve_device
 from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
+from fedfiot_flwr.choose import BestSoFar
 from fedfiot_flwr.psd import KFACFactors, layer_matrix
 from fedfiot_flwr.options import Model
 
@@ -80,7 +82,8 @@ class FedFisherResult:
     best_step : int
         Adam steps taken by the selected checkpoint (0 = the average).
     best_score : float or None
-        Its validation score (``None`` without ``evaluate``).
+        Its validation score (``None`` without ``evaluate``; NaN when no checkpoint scored a
+        number, and then ``best_step`` is 0).
     history : list of dict
         ``{"step", "objective", "score"}`` at every checkpoint (score NaN without
         ``evaluate``).
@@ -192,7 +195,8 @@ def _optimise(
     opt: _FedFisherUpdate | _TorchAdam
     opt = _FedFisherUpdate(params, lr, variant) if optimizer == "fedfisher" else _TorchAdam(params, lr)
     history: list[dict[str, float]] = []
-    best: tuple[dict[str, torch.Tensor], int, float] | None = None
+    best: BestSoFar[int] = BestSoFar()
+    kept: dict[str, torch.Tensor] = {}
     with torch.no_grad():  # the gradient is closed-form; no autograd graph is needed
         for step in range(steps + 1):
             grads, objective = gradient(params)
@@ -200,16 +204,15 @@ def _optimise(
                 score = float("nan")
                 if evaluate is not None:
                     score = float(evaluate(to_model(params)))
-                    key = score if np.isfinite(score) else -np.inf
-                    if best is None or key > best[2]:
-                        best = ({k: v.detach().clone() for k, v in params.items()}, step, key)
+                    if best.offer(score, step):
+                        kept = {k: v.detach().clone() for k, v in params.items()}
                 history.append({"step": float(step), "objective": float(objective), "score": score})
             if step == steps:
                 break
             opt.step(grads)
-    if evaluate is None or best is None:
+    if evaluate is None:
         return to_model(params), steps, None, history
-    return to_model(best[0]), best[1], float(best[2]), history
+    return to_model(kept), best.item, best.score, history
 
 
 # ------------------------------------------------------------------------------- diagonal

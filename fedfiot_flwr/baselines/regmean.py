@@ -35,6 +35,7 @@ import numpy as np
 import scipy.linalg
 
 from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
+from fedfiot_flwr.choose import BestSoFar
 from fedfiot_flwr.psd import InputGram, layer_matrix
 from fedfiot_flwr.options import Model
 
@@ -210,7 +211,8 @@ def regmean_select(
         ``model -> score`` on the validation set (higher is better). ``None`` returns the
         merge with the last ``alpha``.
     alphas : sequence of float
-        Candidates (paper: 0.1 and 0.9); ties go to the earlier one.
+        Candidates (paper: 0.1 and 0.9), chosen under :mod:`fedfiot_flwr.choose` (a NaN score
+        never wins; ties go to the earlier one).
 
     Returns
     -------
@@ -219,15 +221,16 @@ def regmean_select(
     if len(alphas) == 0:
         raise ValueError("regmean_select: no alpha to try")
     t0 = time.perf_counter()
-    best: tuple[float, Model, float] | None = None
+    best: BestSoFar[tuple[float, Model]] = BestSoFar()
+    last: tuple[float, Model] | None = None
     scores: dict[float, float] = {}
     for alpha in alphas:
         model = regmean_merge(models, grams, num_examples, alpha=float(alpha), gram_scaling=gram_scaling,
                               rcond=rcond, client_ids=client_ids, checked=checked)
         score = float("nan") if evaluate is None else float(evaluate(model))
         scores[float(alpha)] = score
-        key = score if np.isfinite(score) else -np.inf
-        if best is None or evaluate is None or key > best[2]:
-            best = (float(alpha), model, key)
-    assert best is not None
-    return RegMeanResult(best[1], best[0], scores, list(grams[0]), time.perf_counter() - t0)
+        best.offer(score, (float(alpha), model))
+        last = (float(alpha), model)
+    assert last is not None
+    chosen_alpha, chosen = best.item if evaluate is not None else last
+    return RegMeanResult(chosen, chosen_alpha, scores, list(grams[0]), time.perf_counter() - t0)

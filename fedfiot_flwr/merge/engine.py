@@ -9,7 +9,8 @@ The objective is the paper's (see README). Decisions where the paper leaves room
   replaced by the identity merge only when its full-model objective is strictly higher;
 * tensors without a Fisher (``buffers``, e.g. BatchNorm running statistics) move with their
   channel's permutation, take no part in costs or objectives and are averaged weighted by
-  ``num_examples`` (uniformly when sizes are unknown).
+  ``num_examples`` (uniformly when sizes are unknown); integer ones are rounded to the nearest
+  integer (:func:`~fedfiot_flwr.merge.dtypes.cast_average`, FedAvg's rule too).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from .backend import get_backend
 from .certify import assign_with_hint
 from .costs import ClientLayers, assign
+from .dtypes import cast_average
 from .reuse import AlignmentMemo, AlignmentTail, permutations_digest
 from .prepared import FISHER_SCALINGS, PreparedClients, as_prepared, fisher_scale_factors, scaled_fisher
 from .spec import PermutationSpec, permute_tensor
@@ -358,9 +360,7 @@ def _merge_all(
             objective += _objective_from_moments(value, num, den, const)
         else:
             value = average  # buffers: by size (uniform when unknown)
-        if np.issubdtype(dtypes[name], np.integer):
-            value = np.rint(value)
-        merged[name] = value.astype(dtypes[name] if np.issubdtype(dtypes[name], np.number) else np.float64)
+        merged[name] = cast_average(value, dtypes[name])
     return merged, objective
 
 

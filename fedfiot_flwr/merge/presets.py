@@ -1,4 +1,10 @@
-"""Named baselines as configurations of the merge engine."""
+"""Named baselines as configurations of the merge engine.
+
+``"fedavg"`` is the engine without alignment, weighted by client size: the same model as
+:func:`fedfiot_flwr.baselines.size_weighted_average` up to float rounding (integer buffers
+follow one rule, :func:`fedfiot_flwr.merge.dtypes.cast_average`). The strategies' FedAvg, and
+the FedAvg baseline and candidate of FedFiOT's selection, are that function.
+"""
 
 from __future__ import annotations
 

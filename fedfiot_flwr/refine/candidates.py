@@ -16,7 +16,6 @@ none and the clients are taken as they are.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from fedfiot_flwr.batches import split_batch
+from fedfiot_flwr.choose import BestSoFar, best_index
 from fedfiot_flwr.merge.spec import PermutationSpec, apply_permutations
 from fedfiot_flwr.refine.finetune import distill_finetune
 from fedfiot_flwr.refine.ops import (
@@ -247,12 +247,12 @@ def refine_merged_model(
         if options.repair:
             recipes[f"repair+ls-r{r:g}"] = _Recipe(repair=True, ridge=r)
 
-    best: tuple[float, str, Model] = (-math.inf, "", {})
+    # Offered in order: the merge, the starts, the fine-tuning checkpoints, the clients; ties
+    # keep the earlier (simpler) candidate (fedfiot_flwr.choose).
+    best: BestSoFar[tuple[str, Model]] = BestSoFar()
 
     def offer(name: str, state: Model) -> None:
-        nonlocal best
-        if report.selection_accuracy[name] > best[0]:
-            best = (report.selection_accuracy[name], name, state)
+        best.offer(report.selection_accuracy[name], (name, state))
 
     def consider(name: str, state: Model, offered: bool = True) -> None:
         acc = _accuracy(load_state(model, state), select_batches)
@@ -271,9 +271,8 @@ def refine_merged_model(
     if options.finetune_epochs > 0:
         # One start: the merge or the best least-squares/REPAIR candidate, whichever scores
         # better on the selection fold; its checkpoints are candidates.
-        start_name = max(recipes, key=lambda n: report.selection_accuracy[n], default="merged")
-        if report.selection_accuracy.get(start_name, -1.0) <= report.selection_accuracy["merged"]:
-            start_name = "merged"
+        starts = ["merged", *recipes]
+        start_name = starts[best_index([report.selection_accuracy[n] for n in starts])]
         start_recipe = replace(recipes.get(start_name, _Recipe()), epochs=options.finetune_epochs)
         if log:
             log(f"    refine: fine-tuning {start_name} for {options.finetune_epochs} epochs on "
@@ -293,7 +292,7 @@ def refine_merged_model(
     if options.client_candidates:
         for k, c in enumerate(clients):
             consider(f"client-{k}", {n: np.asarray(v) for n, v in c.items()})
-    report.chosen, chosen_model = best[1], best[2]
+    report.chosen, chosen_model = best.item
     if options.refit and report.chosen in recipes:
         # The choice is made; refit its recipe on both folds (as a grid search refits its winner).
         both = _fit_data(fit_rows + select_rows, model, aligned, layers, options, num_examples)

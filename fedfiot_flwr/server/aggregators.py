@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedfiot_flwr.baselines.averaging import size_weighted_average
+from fedfiot_flwr.choose import higher_is_better
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.reply_limits import fisher_bound_for
 from fedfiot_flwr.server.config import FedFiOTConfig
@@ -139,7 +140,7 @@ def _score_fn(validate: Validate | None, metric: str) -> Callable[[Model], float
     """``model -> score`` (higher is better) from a ``validate`` function, or None."""
     if validate is None:
         return None
-    sign = -1.0 if "loss" in metric else 1.0
+    sign = 1.0 if higher_is_better(metric) else -1.0
 
     def score(model: Model) -> float:
         res = _scalars(validate(model))

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedfiot_flwr.baselines.averaging import size_weighted_average
+from fedfiot_flwr.choose import BestSoFar, beats, higher_is_better
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.merge.robust import cap_fishers
 from fedfiot_flwr.server.warm_starts import WarmStarts
@@ -144,7 +146,7 @@ class MergeOutcome:
     trials : list[dict]
         One entry per (candidate, variant) tried: configuration, objectives, validation metrics.
     baseline_model : dict[str, np.ndarray] or None
-        FedAvg of the same uploads (``matching="none"``, ``aggregation="size"``).
+        FedAvg of the same uploads (:func:`fedfiot_flwr.baselines.size_weighted_average`).
     baseline_validation : dict[str, float] or None
         Validation metrics of the FedAvg baseline.
     seconds : float
@@ -167,14 +169,6 @@ class MergeOutcome:
     own_model: Model | None = None
     own_variant: str | None = None
     own_validation: dict[str, float] | None = None
-
-
-def _better(new: float, best: float, metric: str) -> bool:
-    if math.isnan(new):
-        return False
-    if math.isnan(best):
-        return True
-    return new < best if "loss" in metric else new > best
 
 
 def _score(metrics: Mapping[str, float] | None, metric: str) -> float:
@@ -267,7 +261,10 @@ def merge_round(
     validate : callable, optional
         ``model dict -> metrics`` on the server's validation set.
     metric : str
-        Validation metric to select on; maximised unless its name contains ``"loss"``.
+        Validation metric to select on; maximised unless its name contains ``"loss"``. The best
+        candidate follows :mod:`fedfiot_flwr.choose` (NaN never wins; ties keep the earlier
+        candidate: ``default`` before the grid, the aligned merge before the identity merge,
+        FedFiOT's own merge before FedAvg).
     baseline : bool
         Also compute (and validate) FedAvg of the same uploads.
     fedavg_candidate : bool
@@ -319,7 +316,8 @@ def merge_round(
     speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver, "certify": certify}
     starts = WarmStarts() if warm_start and matching != "none" else None
     validated = _CachedValidation(validate) if validate is not None else None
-    best: tuple[float, Candidate, str, MergeResult, Model, dict[str, float] | None] | None = None
+    maximize = higher_is_better(metric)
+    best: BestSoFar[tuple[Candidate, str, MergeResult, Model, dict[str, float] | None]] = BestSoFar(maximize=maximize)
     trials: list[dict[str, Any]] = []
     if len(candidates) > 1:
         logger.info("FedFiOT round %s: trying %d knob settings on the validation data", server_round, len(candidates))
@@ -364,24 +362,18 @@ def merge_round(
                     "validation": val,
                 }
             )
-            if best is None or _better(score, best[0], metric):
-                best = (score, cand, variant, res, model, val)
-    assert best is not None
-    _, cand, variant, res, model, val = best
+            best.offer(score, (cand, variant, res, model, val))
+    cand, variant, res, model, val = best.item
 
     own = (model, variant, val)
     baseline_model = baseline_val = None
     if baseline or (fedavg_candidate and validate is not None):
-        base = merge(
-            clients, None, spec, lam=default.lam, rho=default.rho, max_iters=1,
-            reference="largest", matching="none", aggregation="size",
-        )
-        baseline_model = base.model
+        baseline_model = size_weighted_average(uploads.weights, uploads.num_examples)
         baseline_val = validated(baseline_model) if validated is not None else None
     if len(trials) > 1:
         logger.info("FedFiOT round %s: selected %s (%s) out of %d trials (%d distinct models validated)",
                     server_round, cand.label(), variant, len(trials), validated.calls if validated is not None else 0)
-    if fedavg_candidate and validate is not None and _better(_score(baseline_val, metric), _score(val, metric), metric):
+    if fedavg_candidate and validate is not None and beats(_score(baseline_val, metric), best.score, maximize=maximize):
         logger.info("FedFiOT round %s: FedAvg of the same uploads scored best on validation and is returned; "
                     "FedFiOT's own merge (%s) is reported next to it", server_round, variant)
         model, variant, val = baseline_model, "fedavg", baseline_val

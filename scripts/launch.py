@@ -1,8 +1,9 @@
 """Start, use and stop a private local Flower federation (SuperLink, SuperNodes, ``flwr run``).
 
-Used by ``scripts/run_main.sh`` and the end-to-end tests; also handy by hand::
+Used by ``scripts/run_main.sh``, the end-to-end tests and ``benchmarks/many_supernodes.py``; also
+handy by hand, from the repository root::
 
-    python -m fedfiot_flwr.launch --mode simulation --num-supernodes 6 \\
+    python -m scripts.launch --mode simulation --num-supernodes 6 \\
         --run-config "local-epochs=5" --results-dir /tmp/fedfiot
 
 Why not plain ``flwr run .``: ``flwr run`` starts a detached local SuperLink that outlives it,
@@ -10,6 +11,9 @@ on fixed ports, keeps its state in ``~/.flwr``, and exits 0 even when the run fa
 federation gets its own ``FLWR_HOME`` (temp dir), free ports, processes started in their own
 session and stopped by PID, runtime dependency installation disabled (the app runs in this
 environment), and success is read from the run's ``results.json``, not from exit codes.
+
+Development tooling: it lives outside ``fedfiot_flwr`` so that the wheel does not ship it, and its
+TLS helpers need ``cryptography`` (installed by the ``test`` extra).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Development tools of this repository (not shipped in the wheel): the local federation launcher."""
