@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedfiot_flwr.client import pack_reply
 from fedfiot_flwr.merge import mlp_spec
+from fedfiot_flwr.server.shell import numpy_to_arrays
 
 @pytest.fixture(autouse=True)
 def task_identity():  # noqa: ANN201
@@ -91,20 +93,73 @@ class FakeGrid(Grid):
     def get_node_ids(self) -> list[int]:
         return list(self.node_ids)
 
-    def push_messages(self, messages):  # noqa: ANN001, ANN201
-        raise NotImplementedError
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Give each message an id and keep it in :attr:`sent`, as Flower's grids do when they push one."""
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = f"msg-{len(self.sent)}"
+            self.sent.append(msg)
+            ids.append(msg.metadata.message_id)
+        return ids
 
     def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
         raise NotImplementedError
 
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
-        out = []
-        for msg in messages:
-            # as Flower's grids do when they push a message
-            msg.metadata.__dict__["_message_id"] = f"msg-{len(self.sent)}"
-            self.sent.append(msg)
-            out.append(self.client_fn(msg.metadata.dst_node_id, msg))
-        return out
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        """Push ``messages``, then answer each with ``client_fn(node_id, message)``."""
+        messages = list(messages)
+        self.push_messages(messages)
+        return [self.client_fn(msg.metadata.dst_node_id, msg) for msg in messages]
+
+
+def zeros_model() -> dict[str, np.ndarray]:
+    """The tiny MLP of ``SHAPES`` with every entry 0 (a broadcast model)."""
+    return {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+
+
+def configure_round(
+    strategy: Any,
+    node_ids: Iterable[int],
+    broadcast: Mapping[str, np.ndarray] | None = None,
+    server_round: int = 1,
+) -> dict[int, Message]:
+    """The instructions a Message-API strategy sends to a federation of ``node_ids``, pushed as a grid pushes them.
+
+    Runs ``strategy.configure_train`` on a :class:`FakeGrid`, the first half of a round of
+    Flower's ``start`` loop; answer the instructions with :func:`answer` and pass the answers to
+    ``strategy.aggregate_train`` for the second half.
+
+    Parameters
+    ----------
+    strategy : flwr.serverapp.strategy.Strategy
+        The strategy (it records the broadcast model and the instructions itself).
+    node_ids : iterable of int
+        The connected nodes.
+    broadcast : mapping of str to np.ndarray, optional
+        The global model sent (default :func:`zeros_model`).
+    server_round : int
+        The round.
+
+    Returns
+    -------
+    dict of int to Message
+        The instruction sent to each sampled node, with the id the grid gave it.
+    """
+    grid = FakeGrid(node_ids, _never_called)
+    arrays = numpy_to_arrays(zeros_model() if broadcast is None else broadcast)
+    sent = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
+    grid.push_messages(sent)
+    return {int(msg.metadata.dst_node_id): msg for msg in sent}
+
+
+def answer(instruction: Message, content: RecordDict | Error) -> Message:
+    """A node's answer to ``instruction``: a reply carrying ``content``, or an error reply."""
+    return Message(content, reply_to=instruction)
+
+
+def _never_called(node_id: int, message: Message) -> Message:
+    raise AssertionError("configure_round pushes the instructions; nothing answers them")
+
 
 
 def _replace_array(content: RecordDict, name: str, new) -> RecordDict:  # noqa: ANN001

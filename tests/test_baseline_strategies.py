@@ -7,21 +7,22 @@ import json
 import math
 import stat
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
-from _fedfiot_helpers import SHAPES, FakeGrid, instruction, reply
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
+from _fedfiot_helpers import SHAPES, FakeGrid, answer, configure_round
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from torch import nn
 
 from fedfiot_flwr import FedFiOT, FedFisherStrategy, RegMeanStrategy
 from fedfiot_flwr.app_config import AppConfig
 from fedfiot_flwr.baselines import fedfisher_diag, fedfisher_kfac, regmean_select
 from fedfiot_flwr.client import curvature_reply
-from fedfiot_flwr.server import RunRecorder
+from fedfiot_flwr.server import MergeStrategy, RunRecorder
 from fedfiot_flwr.server.shell import arrays_to_numpy, numpy_to_arrays
 from fedfiot_flwr.server.uploads import collect_uploads
 from fedfiot_flwr.wire import FACTOR_PREFIX, fedavg_payload_bytes, unpack_curvature_reply, unpack_reply
@@ -60,10 +61,27 @@ def _clients(k: int, seed: int = 0) -> list[tuple[Tiny, list[tuple[torch.Tensor,
     return out
 
 
-def _replies(kind: str, k: int = 3, seed: int = 0, first_node: int = 1) -> list[Message]:
-    return [reply(first_node + i, curvature_reply(kind, m, data, num_examples=n, metrics={"train-loss": 1.0},
-                                                  device="cpu"))
-            for i, (m, data, n) in enumerate(_clients(k, seed))]
+def _contents(kind: str, k: int = 3, seed: int = 0) -> list[RecordDict]:
+    """The replies of ``k`` clients (:func:`_clients`) that send the ``kind`` upload."""
+    return [curvature_reply(kind, m, data, num_examples=n, metrics={"train-loss": 1.0}, device="cpu")
+            for m, data, n in _clients(k, seed)]
+
+
+def _round(
+    strategy: MergeStrategy, answers: Sequence[tuple[int, RecordDict | Error]]
+) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    """Round 1 as Flower's ``start`` runs it, on the answering nodes.
+
+    ``configure_train`` broadcasts the zero model of ``SHAPES`` to every node in ``answers``, then
+    ``aggregate_train`` gets each node's answer to its instruction, in the order given.
+    """
+    sent = configure_round(strategy, dict.fromkeys(node for node, _ in answers))
+    return strategy.aggregate_train(1, [answer(sent[node], content) for node, content in answers])
+
+
+def _numbered(contents: Sequence[RecordDict], first_node: int = 1) -> list[tuple[int, RecordDict]]:
+    """``contents`` as the answers of nodes ``first_node``, ``first_node + 1``, ..."""
+    return [(first_node + i, c) for i, c in enumerate(contents)]
 
 
 def _validate(model: dict[str, np.ndarray]) -> dict[str, float]:
@@ -82,10 +100,6 @@ def _test_fn(server_round: int, arrays: ArrayRecord):  # noqa: ANN202
     return MetricRecord(_validate(arrays_to_numpy(arrays)))
 
 
-def _broadcast(strategy) -> None:  # noqa: ANN001
-    strategy._broadcast = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-
-
 def _assert_same(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
     assert list(got) == list(SHAPES)
     for k in SHAPES:
@@ -96,12 +110,11 @@ def _assert_same(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) ->
 
 
 def test_fedfisher_kfac_aggregate_train_equals_the_core_merge() -> None:
-    replies = _replies("fedfisher-kfac")
+    contents = _contents("fedfisher-kfac")
     strategy = FedFisherStrategy("kfac", steps=30, eval_every=10, validate_fn=_validate, fisher_kind="true",
                                  fedavg_baseline=False, device="cpu")
-    _broadcast(strategy)
-    arrays, _ = strategy.aggregate_train(1, replies)
-    ups = [unpack_curvature_reply(m.content) for m in replies]
+    arrays, _ = _round(strategy, _numbered(contents))
+    ups = [unpack_curvature_reply(c) for c in contents]
     expected = fedfisher_kfac([u.weights for u in ups], [u.factors for u in ups], [u.num_examples for u in ups],
                               steps=30, eval_every=10, evaluate=_score, device="cpu")
     _assert_same(arrays_to_numpy(arrays), expected.model)
@@ -118,13 +131,12 @@ def test_fedfisher_kfac_aggregate_train_equals_the_core_merge() -> None:
 
 
 def test_fedfisher_diag_aggregate_train_equals_the_core_merge() -> None:
-    replies = _replies("fedfisher-diag", seed=1)
+    contents = _contents("fedfisher-diag", seed=1)
     strategy = FedFisherStrategy("diag", steps=20, eval_every=5, validate_fn=_validate, fisher_kind="true",
                                  device="cpu")
-    _broadcast(strategy)
-    arrays, _ = strategy.aggregate_train(1, replies)
+    arrays, _ = _round(strategy, _numbered(contents))
     metrics = strategy.server_metrics[1]
-    ups = [unpack_reply(m.content) for m in replies]
+    ups = [unpack_reply(c) for c in contents]
     expected = fedfisher_diag([u.weights for u in ups], [u.fisher for u in ups], [u.num_examples for u in ups],
                               steps=20, eval_every=5, evaluate=_score, device="cpu")
     _assert_same(arrays_to_numpy(arrays), expected.model)
@@ -134,12 +146,11 @@ def test_fedfisher_diag_aggregate_train_equals_the_core_merge() -> None:
 
 
 def test_regmean_aggregate_train_equals_the_core_merge() -> None:
-    replies = _replies("regmean", seed=2)
+    contents = _contents("regmean", seed=2)
     strategy = RegMeanStrategy(alphas=(0.1, 0.9), validate_fn=_validate, fedavg_baseline=False)
-    _broadcast(strategy)
-    arrays, _ = strategy.aggregate_train(1, replies)
+    arrays, _ = _round(strategy, _numbered(contents))
     metrics = strategy.server_metrics[1]
-    ups = [unpack_curvature_reply(m.content) for m in replies]
+    ups = [unpack_curvature_reply(c) for c in contents]
     expected = regmean_select([u.weights for u in ups], [u.grams for u in ups], [u.num_examples for u in ups],
                               _score, alphas=(0.1, 0.9))
     _assert_same(arrays_to_numpy(arrays), expected.model)
@@ -160,20 +171,18 @@ def _nan_scale(content: RecordDict, key: str) -> RecordDict:
 
 
 def test_broken_replies_are_excluded_and_named() -> None:
-    good = _replies("fedfisher-kfac", k=3, seed=3)
-    broken_factor = _replies("fedfisher-kfac", k=1, seed=4, first_node=11)[0]
-    _nan_scale(broken_factor.content, f"{FACTOR_PREFIX}fc2/G")
-    wrong_kind = _replies("regmean", k=1, seed=5, first_node=12)[0]
-    truncated = _replies("fedfisher-kfac", k=1, seed=6, first_node=13)[0]
-    arr = truncated.content["fedfiot"][f"{FACTOR_PREFIX}fc1/A"]
-    truncated.content["fedfiot"][f"{FACTOR_PREFIX}fc1/A"] = Array(dtype=arr.dtype, shape=tuple(arr.shape),
-                                                                  stype=arr.stype, data=arr.data[:-3])
-    crashed = Message(Error(code=1, reason="client crashed"), reply_to=instruction(14))
+    good = _contents("fedfisher-kfac", k=3, seed=3)
+    broken_factor = _nan_scale(_contents("fedfisher-kfac", k=1, seed=4)[0], f"{FACTOR_PREFIX}fc2/G")
+    wrong_kind = _contents("regmean", k=1, seed=5)[0]
+    truncated = _contents("fedfisher-kfac", k=1, seed=6)[0]
+    arr = truncated["fedfiot"][f"{FACTOR_PREFIX}fc1/A"]
+    truncated["fedfiot"][f"{FACTOR_PREFIX}fc1/A"] = Array(dtype=arr.dtype, shape=tuple(arr.shape), stype=arr.stype,
+                                                          data=arr.data[:-3])
+    crashed = Error(code=1, reason="client crashed")
     strategy = FedFisherStrategy("kfac", steps=10, eval_every=5, fedavg_baseline=False, device="cpu")
-    _broadcast(strategy)
-    arrays, _ = strategy.aggregate_train(1, [broken_factor, good[0], wrong_kind, good[1], truncated, good[2],
-                                                   crashed])
-    ups = [unpack_curvature_reply(m.content) for m in good]
+    arrays, _ = _round(strategy, [(11, broken_factor), (1, good[0]), (12, wrong_kind), (2, good[1]), (13, truncated),
+                                  (3, good[2]), (14, crashed)])
+    ups = [unpack_curvature_reply(c) for c in good]
     expected = fedfisher_kfac([u.weights for u in ups], [u.factors for u in ups], [u.num_examples for u in ups],
                               steps=10, eval_every=5, device="cpu")
     _assert_same(arrays_to_numpy(arrays), expected.model)
@@ -187,13 +196,11 @@ def test_broken_replies_are_excluded_and_named() -> None:
 
 
 def test_too_few_valid_replies_fail_the_round() -> None:
-    good = _replies("regmean", k=1, seed=7)
-    bad = _replies("regmean", k=1, seed=8, first_node=2)[0]
-    _nan_scale(bad.content, "fc1.weight")
+    good = _contents("regmean", k=1, seed=7)[0]
+    bad = _nan_scale(_contents("regmean", k=1, seed=8)[0], "fc1.weight")
     strategy = RegMeanStrategy(min_train_nodes=2)
-    _broadcast(strategy)
     with pytest.raises(RuntimeError, match=r"RegMean round 1: only 1 valid replies, at least 2 needed.*client 2"):
-        strategy.aggregate_train(1, [good[0], bad])
+        _round(strategy, [(1, good), (2, bad)])
     assert strategy.reports[0]["failed"] and strategy.reports[0]["rejected"][0]["client"] == "2"
 
 

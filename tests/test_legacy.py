@@ -3,12 +3,16 @@ Message-API strategy's round (decoding, validation, exclusion, aggregator)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import numpy as np
 import pytest
 import torch
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
 from _fedfiot_helpers import SHAPES, SPEC, client_uploads, packed, reply
 from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server.client_manager import SimpleClientManager
+from flwr.server.client_proxy import ClientProxy
 
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, FedFiOTLegacy
 from fedfiot_flwr.client import train_and_pack
@@ -22,11 +26,34 @@ PAPER_ONCE = FedFiOTConfig.paper(sweep=None)
 NAMES = list(SHAPES)
 
 
-class Proxy:
-    """Stands in for a ClientProxy (aggregate_fit only reads ``cid``)."""
+class Proxy(ClientProxy):
+    """A connected client that is sampled but never called (the round's results are built by the test)."""
 
-    def __init__(self, cid: str) -> None:
-        self.cid = cid
+    def _never_called(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError(f"client {self.cid} was called; the test answers for it")
+
+    get_properties = get_parameters = fit = evaluate = reconnect = _never_called
+
+
+def _sampled(strategy: FedFiOTLegacy, cids: Iterable[str],
+             broadcast: Mapping[str, np.ndarray] | None = None) -> dict[str, ClientProxy]:
+    """Round 1's ``initialize_parameters`` and ``configure_fit`` on a client manager holding ``cids``.
+
+    The global model is ``broadcast`` (default: the strategy's own ``initial_parameters``).
+    Returns the sampled clients by id; each got the global model.
+    """
+    manager = SimpleClientManager()
+    for cid in cids:
+        manager.register(Proxy(cid))
+    if broadcast is None:
+        params = strategy.initialize_parameters(manager)
+    else:
+        params = ndarrays_to_parameters(list(broadcast.values()))
+    assert params is not None
+    sampled = strategy.configure_fit(1, params, manager)
+    for _, ins in sampled:
+        assert ins.parameters == params
+    return {proxy.cid: proxy for proxy, _ in sampled}
 
 
 def _fitres(content, n: int = 10) -> FitRes:
@@ -64,21 +91,23 @@ def test_aggregate_fit_matches_message_api_and_excludes_broken_fitres() -> None:
     contents = [packed(w, f, n) for w, f, n in uploads[:3]]
     w, f, n = uploads[3]
     wrong = packed({**w, "fc2.weight": np.zeros((5, 7), np.float32)}, {**f, "fc2.weight": np.zeros((5, 7), np.float32)}, n)
-    results = [
-        (Proxy("a"), _fitres(contents[0])),
-        (Proxy("nan"), _fitres(corrupt_nan_fisher(packed(w, f, n), "fc1.weight"))),
-        (Proxy("b"), _fitres(contents[1])),
-        (Proxy("shape"), _fitres(wrong)),
-        (Proxy("nofisher"), _fitres(corrupt_missing_fisher(packed(w, f, n), "fc2.bias"))),
-        (Proxy("garbage"), FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.arange(4.0)]), 5, {})),
-        (Proxy("c"), _fitres(contents[2])),
-    ]
-    failures = [RuntimeError("connection lost"),
-                (Proxy("status"), FitRes(Status(Code.FIT_NOT_IMPLEMENTED, "nope"), Parameters([], ""), 0, {}))]
     broadcast = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     legacy = FedFiOTLegacy(spec=SPEC, names=NAMES, config=PAPER_ONCE, fedavg_baseline=False,
                            fit_metrics_aggregation_fn=lambda pairs: {"clients": len(pairs)})
-    legacy._broadcast = broadcast
+    # Round 1 as Flower's legacy server runs it: configure_fit sends the zero model to every client.
+    clients = _sampled(legacy, ["a", "nan", "b", "shape", "nofisher", "garbage", "c", "status"], broadcast)
+    assert len(clients) == 8
+    results = [
+        (clients["a"], _fitres(contents[0])),
+        (clients["nan"], _fitres(corrupt_nan_fisher(packed(w, f, n), "fc1.weight"))),
+        (clients["b"], _fitres(contents[1])),
+        (clients["shape"], _fitres(wrong)),  # checked against the broadcast model's shapes
+        (clients["nofisher"], _fitres(corrupt_missing_fisher(packed(w, f, n), "fc2.bias"))),
+        (clients["garbage"], FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.arange(4.0)]), 5, {})),
+        (clients["c"], _fitres(contents[2])),
+    ]
+    failures = [RuntimeError("connection lost"),
+                (clients["status"], FitRes(Status(Code.FIT_NOT_IMPLEMENTED, "nope"), Parameters([], ""), 0, {}))]
     params, metrics = legacy.aggregate_fit(1, results, failures)
     got = _to_dict(params)
 
@@ -112,14 +141,7 @@ def test_legacy_twin_on_a_tiny_torch_model_with_selection() -> None:
     names = list(global_model.state_dict())
     x = torch.randn(48, 4)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    results = []
-    for k in range(3):
-        model = make()
-        model.load_state_dict(global_model.state_dict())
-        part = slice(16 * k, 16 * (k + 1))
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[part], y[part]), batch_size=8)
-        content = train_and_pack(model, loader, 2, device="cpu")
-        results.append((Proxy(f"n{k}"), _fitres(content, 16)))
+    init = ndarrays_to_parameters([v.numpy() for v in global_model.state_dict().values()])
 
     calls = []
 
@@ -133,9 +155,17 @@ def test_legacy_twin_on_a_tiny_torch_model_with_selection() -> None:
         calls.append(acc)
         return {"accuracy": acc, "loss": float(torch.nn.functional.cross_entropy(logits, y))}
 
-    legacy = FedFiOTLegacy(model=global_model, validate_fn=validate_fn, min_fit_clients=3, config=FedFiOTConfig.paper())
-    init = ndarrays_to_parameters([v.numpy() for v in global_model.state_dict().values()])
-    legacy.initial_parameters = init
+    legacy = FedFiOTLegacy(model=global_model, validate_fn=validate_fn, min_fit_clients=3, config=FedFiOTConfig.paper(),
+                           initial_parameters=init)
+    clients = _sampled(legacy, ["n0", "n1", "n2"])
+    results = []
+    for k in range(3):
+        model = make()
+        model.load_state_dict(global_model.state_dict())
+        part = slice(16 * k, 16 * (k + 1))
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[part], y[part]), batch_size=8)
+        content = train_and_pack(model, loader, 2, device="cpu")
+        results.append((clients[f"n{k}"], _fitres(content, 16)))
     params, _ = legacy.aggregate_fit(1, results, [])
     assert len(parameters_to_ndarrays(params)) == len(names)
     server = legacy.server_metrics[1]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
-from _fedfiot_helpers import SHAPES, SPEC, FakeGrid, client_uploads, instruction, packed, reply
+from _fedfiot_helpers import SHAPES, SPEC, FakeGrid, answer, client_uploads, configure_round, packed, reply
 from flwr.app import ConfigRecord, Error, Message
 from flwr.serverapp.strategy import FedAvg
 
@@ -68,17 +68,21 @@ def test_broken_and_duplicate_replies_are_excluded_and_the_merge_equals_that_of_
     w, f, n = uploads[3]
     bad_shape = {**w, "fc1.weight": np.zeros((7, 4), np.float32)}
     bad_shape_f = {**f, "fc1.weight": np.zeros((7, 4), np.float32)}
-    broken = [
-        reply(11, corrupt_nan_fisher(packed(w, f, n), "fc2.weight")),
-        reply(12, packed(bad_shape, bad_shape_f, n)),
-        reply(13, corrupt_missing_fisher(packed(w, f, n), "fc3.bias")),
-        Message(Error(code=1, reason="client crashed"), reply_to=instruction(14)),
-        reply(1, packed(w, f, n)),  # a second reply of node 1: the first one counts
-    ]
     strategy = FedFiOT(spec=SPEC, config=PAPER_ONCE, fedavg_baseline=False)
-    strategy._broadcast = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    order = [broken[0], good[0], broken[1], good[1], broken[2], good[2], broken[3], broken[4]]
-    arrays, _ = strategy.aggregate_train(1, order)
+    # Round 1 as Flower runs it: the zero model goes to nodes 1-3 and 11-14, their answers come back.
+    sent = configure_round(strategy, [1, 2, 3, 11, 12, 13, 14])
+    assert sorted(sent) == [1, 2, 3, 11, 12, 13, 14]
+    answers = [
+        (11, corrupt_nan_fisher(packed(w, f, n), "fc2.weight")),
+        (1, good[0].content),
+        (12, packed(bad_shape, bad_shape_f, n)),  # checked against the broadcast model's shapes
+        (2, good[1].content),
+        (13, corrupt_missing_fisher(packed(w, f, n), "fc3.bias")),
+        (3, good[2].content),
+        (14, Error(code=1, reason="client crashed")),
+        (1, packed(w, f, n)),  # a second reply of node 1: the first one counts
+    ]
+    arrays, _ = strategy.aggregate_train(1, [answer(sent[node], content) for node, content in answers])
     expected = _engine_merge([m.content for m in good])
     got = arrays_to_numpy(arrays)
     for k in SHAPES:
@@ -97,14 +101,13 @@ def test_broken_and_duplicate_replies_are_excluded_and_the_merge_equals_that_of_
 
 def test_replies_are_attributed_to_the_node_the_instruction_went_to() -> None:
     (w, f, n), = client_uploads(1, seed=7)
-    sent = instruction(42)
-    sent.metadata.__dict__["_message_id"] = "m-42"
-    error = Message(Error(code=2, reason="node lost"), reply_to=sent)
-    error.metadata.__dict__["_src_node_id"] = 0  # what the SuperLink fills in for its own error replies
     strategy = FedFiOT(spec=SPEC, config=PAPER_ONCE, min_valid_replies=1)
-    strategy._sent = [sent]
-    strategy.aggregate_train(1, [error, reply(7, packed(w, f, n))])
+    sent = configure_round(strategy, [42, 7])
+    error = answer(sent[42], Error(code=2, reason="node lost"))
+    error.metadata.__dict__["_src_node_id"] = 0  # what the SuperLink fills in for its own error replies
+    strategy.aggregate_train(1, [error, answer(sent[7], packed(w, f, n))])
     assert strategy.reports[0]["rejected"] == [{"client": "42", "reason": "error reply: node lost (code 2)"}]
+    assert strategy.reports[0]["clients"] == ["7"]
 
 
 def test_too_few_valid_replies_fail_the_round_with_a_clear_error() -> None:
