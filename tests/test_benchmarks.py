@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -92,18 +93,47 @@ def test_harness_fedavg_equals_flower_aggregate_arrayrecords(one_shot_run: tuple
     assert not np.allclose(ours["fc1.weight"], uploads.quantized.weights[0]["fc1.weight"])
 
 
-def test_knobs_are_the_validation_argmax(one_shot_run: tuple[dict, Path]) -> None:
+Model = Mapping[str, np.ndarray]
+
+
+def _favouring(index: int) -> tuple[Callable[[Model], dict[str, float]], list[Model]]:
+    """A validation function that scores the ``index``-th model it is shown 1 and every other 0.
+
+    Returns the function and the list of the models it was shown, in order.
+    """
+    shown: list[Model] = []
+
+    def validate(model: Model) -> dict[str, float]:
+        shown.append(model)
+        return {"accuracy": 1.0 if len(shown) - 1 == index else 0.0}
+
+    return validate, shown
+
+
+def test_the_knobs_and_the_model_are_those_validation_prefers(one_shot_run: tuple[dict, Path]) -> None:
     _, root = one_shot_run
     setting = _setting("shared")
     split = setting.app_config().split()
     build, spec, buffers = H.model_tools(setting, split)
     uploads = H.one_shot_uploads(setting, split, buffers, root / "cache")
+    plan = H.method_plans(["fedfiot"], "shared", "tiny")[0]
     ev = H.Evaluator(split, build)
-    res = H.apply_method(H.method_plans(["fedfiot"], "shared", "tiny")[0], uploads, spec, buffers, ev.validate)
-    scores = [t["validation"]["accuracy"] for t in res.outcome.trials]
-    assert res.validation_accuracy == max(scores)
+    res = H.apply_method(plan, uploads, spec, buffers, ev.validate)
     assert {t["reference"] for t in res.outcome.trials} == {"largest", "broadcast"}  # shared init offers the init
     assert res.validation_accuracy == pytest.approx(ev.validate(res.model)["accuracy"])
+    # Validation's favourite is returned with its knobs, whichever it is: the first and the last model shown.
+    chosen: list[dict[str, object]] = []
+    index = 0
+    for _ in ("first", "last"):
+        validate, shown = _favouring(index)
+        favoured = H.apply_method(plan, uploads, spec, buffers, validate)
+        assert len(shown) > 1 and favoured.validation_accuracy == 1.0
+        assert all(np.array_equal(favoured.model[k], v) for k, v in shown[index].items())
+        favourite = next(t for t in favoured.outcome.trials if t["validation"]["accuracy"] == 1.0)
+        chosen.append({k: favoured.knobs[k] for k in ("rho", "lam", "reference")})
+        assert chosen[-1] == {k: favourite[k] for k in ("rho", "lam", "reference")}
+        index = len(shown) - 1
+    assert chosen[0] != chosen[1]
 
 
 def test_cached_uploads_are_the_trained_ones(tmp_path: Path) -> None:

@@ -78,10 +78,10 @@ def test_fedfiot_with_refine_returns_the_refinement_of_its_merge() -> None:
     torch.manual_seed(0)
     data = _server_data()
     strategy = FedFiOT(model=Net(), server_data=data, config=_default(), refine=QUICK)
-    assert not strategy.fedfiot_config.fedavg_candidate  # the refinement's candidates are the net
     replies = _replies()
     arrays, _ = strategy.aggregate_train(1, replies)
     got = arrays_to_numpy(arrays)
+    assert "fedavg-won" not in strategy.server_metrics[1]  # FedAvg does not compete: the refinement's candidates do
 
     # The same round by hand: the merge chosen on the selection fold, then the refinement function.
     model = Net()
@@ -228,7 +228,27 @@ def test_the_start_up_line_says_what_is_trained_on_what(caplog) -> None:
 
 
 def test_the_legacy_strategy_refines_the_same_way() -> None:
-    legacy = FedFiOTLegacy(model=Net(), server_data=_server_data(), config=_default(), refine=QUICK)
-    stage = legacy.merger.post_merge
-    assert isinstance(stage, RefinementStage) and legacy.merger.validate_fn is stage.validate_fn
-    assert FedFiOTLegacy(model=Net(), server_data=_server_data(), config=_default()).merger.post_merge is None
+    from types import SimpleNamespace
+
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+    from fedfiot_flwr.server.legacy_envelope import reply_to_ndarrays
+
+    data, replies = _server_data(), _replies()
+    results = [(SimpleNamespace(cid=str(1 + i)),
+                FitRes(Status(Code.OK, ""), ndarrays_to_parameters(reply_to_ndarrays(r.content)), 0, {}))
+               for i, r in enumerate(replies)]
+    returned = {}
+    for refine in (QUICK, None):
+        torch.manual_seed(0)
+        message_api = FedFiOT(model=Net(), server_data=data, config=_default(), refine=refine)
+        expected = arrays_to_numpy(message_api.aggregate_train(1, replies)[0])
+        torch.manual_seed(0)
+        legacy = FedFiOTLegacy(model=Net(), server_data=data, config=_default(), refine=refine)
+        params, _ = legacy.aggregate_fit(1, results, [])
+        returned[refine] = dict(zip(legacy.names, parameters_to_ndarrays(params)))
+        _assert_equal(returned[refine], expected)
+        stages = [{k: v for k, v in strategy.reports[0].get("post_merge", {}).items() if k != "seconds"}
+                  for strategy in (legacy, message_api)]
+        assert stages[0] == stages[1] and bool(stages[0]) == (refine is not None)
+    assert not all(np.allclose(returned[QUICK][k], returned[None][k]) for k in SHAPES)  # the refinement changed it

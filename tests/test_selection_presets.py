@@ -1,12 +1,20 @@
 """Validation-based choice among the aligned merge, the identity merge and FedAvg of the same uploads."""
 
+from __future__ import annotations
+
 import numpy as np
 import pytest
+from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture (the strategy tests send messages)
+from _fedfiot_helpers import packed, reply
+from flwr.app import RecordDict
 
+from fedfiot_flwr import FedFiOT
 from fedfiot_flwr.merge import PermutationSpec, merge
+from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.selection import Candidate, merge_round
-from fedfiot_flwr.server.uploads import CollectedUploads
+from fedfiot_flwr.server.selection import Candidate, MergeOutcome, merge_round
+from fedfiot_flwr.server.shell import ValidateFn, arrays_to_numpy
+from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads
 
 SPEC = PermutationSpec({"w": ("P0", None)})
 # The worked example of the paper's Appendix G: aligned J = 9 < identity J = 83.
@@ -65,16 +73,77 @@ def test_fedavg_candidate_loses_when_fedfiot_validates_better():
     assert out.baseline_validation is not None  # FedAvg was computed and validated
 
 
-def test_the_strategy_runs_its_configuration_or_the_paper_rule_without_validation():
-    from fedfiot_flwr import FedFiOT
+def _strategy_round(config: FedFiOTConfig, validate: ValidateFn | None = None) -> tuple[FedFiOT, np.ndarray]:
+    """Round 1 of ``FedFiOT(config=config, validate_fn=validate)`` on the worked example sent by two clients.
 
-    with_val = FedFiOT(spec=SPEC, validate_fn=closest_to(IDENTITY), config=FedFiOTConfig.default())
-    assert with_val.fedfiot_config == FedFiOTConfig.default()  # a validate_fn: the configuration as given
-    assert with_val.fedfiot_config.sweep.fisher_scalings == ("none", "size")
-    without = FedFiOT(spec=SPEC, config=FedFiOTConfig.default(rho=0.3))
-    assert (without.fedfiot_config.selection, without.fedfiot_config.sweep) == ("objective", None)
-    assert not without.fedfiot_config.fedavg_candidate and without.fedfiot_config.rho == 0.3
-    paper = FedFiOT(spec=SPEC, validate_fn=closest_to(IDENTITY), config=FedFiOTConfig.paper())
-    assert paper.fedfiot_config.selection == "objective" and paper.fedfiot_config.sweep.fisher_scalings == ("none",)
+    Returns the strategy and its merged ``w`` (flattened); the uploads go through the wire's 16-bit
+    encoding, so the merge is within about 1e-4 of the worked example's numbers.
+    """
+    strategy = FedFiOT(spec=SPEC, validate_fn=validate, config=config, fedavg_baseline=False)
+    arrays, _ = strategy.aggregate_train(1, [reply(i + 1, c) for i, c in enumerate(_contents())])
+    return strategy, arrays_to_numpy(arrays)["w"].ravel()
+
+
+def _contents() -> list[RecordDict]:
+    """The worked example's uploads as the replies two clients send."""
+    return [packed({"w": w["w"].astype(np.float32)}, {"w": f["w"].astype(np.float32)}, n)
+            for w, f, n in zip(UPLOADS.weights, UPLOADS.fishers, UPLOADS.num_examples)]
+
+
+def _decoded() -> CollectedUploads:
+    """The uploads as the server decodes them (the oracle merges start from these)."""
+    return collect_uploads([(str(i + 1), c) for i, c in enumerate(_contents())], None)
+
+
+@pytest.mark.parametrize("preferred", [IDENTITY, FEDAVG], ids=["identity", "fedavg"])
+def test_the_paper_preset_keeps_the_aligned_merge_whatever_validation_says(preferred: list[float]) -> None:
+    worked = {"rho": 1.0, "lam": 1.0, "sweep": None}
+    _, paper = _strategy_round(FedFiOTConfig.paper(**worked), closest_to(preferred))
+    np.testing.assert_allclose(paper, ALIGNED, atol=1e-3)
+    # The default preset, given the same validation, follows it.
+    _, default = _strategy_round(FedFiOTConfig.default(**worked, fisher_cap=None), closest_to(preferred))
+    np.testing.assert_allclose(default, preferred, atol=1e-3)
+    # With its whole grid, every knob setting the paper tries keeps what the objective keeps.
+    strategy, _ = _strategy_round(FedFiOTConfig.paper(), closest_to(preferred))
+    trials = strategy.reports[0]["trials"]
+    assert len(trials) > 1 and all(t["variant"] == "aligned" and t["paper_rule_aligned"] for t in trials)
+    assert strategy.last_round.outcome.chosen["variant"] == "aligned" and "fedavg-won" not in strategy.server_metrics[1]
+
+
+def test_the_default_preset_offers_the_size_scaled_fisher_and_the_paper_preset_does_not() -> None:
+    def aligned(fisher_scaling: str) -> np.ndarray:
+        return merge_round(_decoded(), SPEC, Candidate(0.5, 1e-4, "largest", fisher_scaling), fallback="none",
+                           fisher_cap=DEFAULT_FISHER_CAP, baseline=False).model["w"].ravel()
+
+    target = aligned("size")
+    assert not np.allclose(target, aligned("none"), rtol=1e-6, atol=0)  # the scaling changes the merge
+    strategy, got = _strategy_round(FedFiOTConfig.default(), closest_to(target))
+    np.testing.assert_allclose(got, target, rtol=1e-6)
+    assert strategy.last_round.outcome.chosen["fisher_scaling"] == "size"
+    best = [t for t in strategy.reports[0]["trials"] if t["validation"]["accuracy"] == 0.0]
+    assert [t["fisher_scaling"] for t in best] == ["size"]  # no unscaled candidate merges to it
+    # The paper's grid never shows validation a size-scaled merge.
+    paper, _ = _strategy_round(FedFiOTConfig.paper(), closest_to(target))
+    trials = paper.reports[0]["trials"]
+    assert {t["fisher_scaling"] for t in trials} == {"none"}
+    assert max(t["validation"]["accuracy"] for t in trials) < 0.0
+
+
+@pytest.mark.parametrize("preset", ["default", "paper"])
+def test_without_validation_a_preset_merges_once_with_its_own_knobs_and_the_papers_rule(preset: str) -> None:
+    def expected(rho: float) -> MergeOutcome:
+        return merge_round(_decoded(), SPEC, Candidate(rho, 1e-4, "largest", "none"), fallback="objective",
+                           fisher_cap=DEFAULT_FISHER_CAP if preset == "default" else None, baseline=False)
+
+    strategy, got = _strategy_round(FedFiOTConfig.named(preset, rho=0.3))
+    want = expected(0.3)
+    assert not np.allclose(want.model["w"], expected(0.5).model["w"])  # rho matters here
+    np.testing.assert_allclose(got, want.model["w"].ravel(), rtol=1e-6)
+    server = strategy.server_metrics[1]
+    assert server["num-trials"] == 1 and "fedavg-won" not in server and "val-accuracy" not in server
+    assert server["kept-aligned"] == server["alignment-lowered-objective"] == int(want.result.aligned)
+
+
+def test_an_unknown_configuration_name_is_refused() -> None:
     with pytest.raises(ValueError, match="configuration"):
         FedFiOTConfig.named("best")

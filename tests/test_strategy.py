@@ -202,23 +202,32 @@ def test_without_validation_one_rule_is_announced_once(caplog) -> None:
         strategy.aggregate_train(2, _replies(client_uploads(2, seed=6)))
     notices = [r.getMessage() for r in caplog.records if "no server data" in r.getMessage()]
     assert len(notices) == 1 and "(default)" in notices[0] and "the paper's rule" in notices[0]
-    assert strategy.fedfiot_config.selection == "objective" and strategy.fedfiot_config.sweep is None
+    for server_round in (1, 2):  # one merge, kept or not by the objective
+        server = strategy.server_metrics[server_round]
+        assert server["num-trials"] == 1 and server["kept-aligned"] == server["alignment-lowered-objective"]
     assert strategy.requested_config == FedFiOTConfig.default()
     assert not any("fallback" in r.getMessage() for r in caplog.records)
 
 
-def test_paper_and_default_configurations_differ_only_where_documented() -> None:
-    paper, default = FedFiOTConfig.paper(), FedFiOTConfig.default()
-    differ = {k for k, v in paper.as_dict().items() if default.as_dict()[k] != v}
-    assert differ == {"name", "selection", "sweep", "fedavg_candidate", "fisher_cap", "certify"}
-    assert paper.fisher_cap is None  # the paper weighs the Fishers as uploaded
-    assert default.certify and not paper.certify  # certified assignments: the same permutations, faster
-    # With a refinement after the merge, its candidates replace the FedAvg candidate.
-    assert default.for_server(True).fedavg_candidate and not default.for_server(True, refining=True).fedavg_candidate
-    assert default.for_server(False) == default.without_validation()
-    assert paper.selection == "objective" and not paper.fedavg_candidate
-    assert paper.sweep == SweepGrid() and paper.fisher_scaling == "none"
-    assert default.without_validation().selection == "objective"
+def test_without_validation_the_presets_merge_alike_but_for_the_fisher_cap() -> None:
+    """What else tells the presets apart needs validation data (``test_selection_presets``: the
+    paper's rule against validation's choice, FedAvg as a candidate, the size-scaled Fisher in the
+    grid) or an inflated Fisher (``test_robust_weighting``: the cap)."""
+    replies = _replies(client_uploads(3, seed=4))
+    merged = {}
+    for name, config in (("paper", FedFiOTConfig.paper()), ("default", FedFiOTConfig.default(fisher_cap=None))):
+        strategy = FedFiOT(spec=SPEC, config=config)
+        merged[name] = arrays_to_numpy(strategy.aggregate_train(1, replies)[0])
+        assert strategy.server_metrics[1]["num-trials"] == 1
+    for k in SHAPES:
+        np.testing.assert_array_equal(merged["default"][k], merged["paper"][k])
+    # The paper's knobs and rule, merged directly.
+    expected = _engine_merge([m.content for m in replies], fallback="objective")
+    for k in SHAPES:
+        np.testing.assert_allclose(merged["paper"][k], expected.model[k], rtol=1e-6, atol=1e-7)
+
+
+def test_bad_configurations_are_refused() -> None:
     with pytest.raises(ValueError, match="selection"):
         FedFiOTConfig(selection="accuracy")
     with pytest.raises(ValueError, match="lam"):
@@ -247,6 +256,10 @@ def test_the_speed_options_reach_the_merge_and_certify_leaves_the_model_unchange
         np.testing.assert_array_equal(models[0][k], models[1][k])
     FedFiOT(spec=SPEC, config=FedFiOTConfig.default(sweep=None, cost_dtype="float32")).aggregate_train(1, replies)
     assert seen[-1]["cost_dtype"] == "float32"
+    # The default preset certifies its assignments (the same model, faster); the paper's solves every one.
+    for preset, certify in (("default", True), ("paper", False)):
+        FedFiOT(spec=SPEC, config=FedFiOTConfig.named(preset, max_iters=4)).aggregate_train(1, replies)
+        assert seen[-1]["certify"] is certify, preset
     with pytest.raises(ValueError, match="cost_dtype"):
         FedFiOTConfig.default(cost_dtype="float16")
 
