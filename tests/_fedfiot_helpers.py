@@ -18,7 +18,12 @@ from fedfiot_flwr.server.shell import numpy_to_arrays
 
 @pytest.fixture(autouse=True)
 def task_identity():  # noqa: ANN201
-    """Messages need the identity of the running task (set by Flower inside a real ServerApp)."""
+    """Messages need the identity of the running task (set by Flower inside a real ServerApp).
+
+    It is set through ``TaskIdentity``'s public setters; the previous values are saved and restored
+    through its private fields because the public getters raise while a value is unset, the state
+    a test must leave behind for the next one.
+    """
     from flwr.supercore.task_identity import TaskIdentity
 
     saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)

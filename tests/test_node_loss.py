@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +16,8 @@ from _fedfiot_helpers import ROOT, SHAPES, SPEC, FakeGrid, app_snapshot, live_pr
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fedfiot_flwr import FedFiOT
+from fedfiot_flwr.server import shell
+from fedfiot_flwr.server.nodes import NodeWaiter
 from scripts.launch import LocalFederation
 
 
@@ -21,10 +25,19 @@ def _arrays() -> ArrayRecord:
     return ArrayRecord({k: Array(np.zeros(s, np.float32)) for k, s in SHAPES.items()})
 
 
-def test_sampling_goes_on_with_the_nodes_left_after_the_wait(tmp_path: Path) -> None:
+def _strategies_wait_with(monkeypatch: pytest.MonkeyPatch, **fields: Any) -> None:
+    """Strategies built from now on wait for nodes with these :class:`NodeWaiter` fields.
+
+    ``clock``, ``sleep`` and ``poll_s`` are the waiter's documented replaceable parts; the strategy
+    still builds its waiter itself from ``node_wait_s``.
+    """
+    monkeypatch.setattr(shell, "NodeWaiter", functools.partial(NodeWaiter, **fields))
+
+
+def test_sampling_goes_on_with_the_nodes_left_after_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    _strategies_wait_with(monkeypatch, poll_s=0.02)
     grid = FakeGrid([11, 12, 13], None)
     strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_available_nodes=3, min_valid_replies=2, node_wait_s=0.2)
-    strategy._node_waiter.poll_s = 0.02
     first = list(strategy.configure_train(1, _arrays(), ConfigRecord(), grid))
     assert sorted(m.metadata.dst_node_id for m in first) == [11, 12, 13]
     grid.node_ids = [11, 13]  # node 12 is gone
@@ -73,9 +86,9 @@ def test_a_lost_node_is_waited_for_once_not_in_every_later_round(monkeypatch: py
 
     monkeypatch.setattr("flwr.serverapp.strategy.strategy_utils.sleep", flower_waits)
     grid, clock = FakeGrid([11, 12, 13], None), FakeClock()
+    _strategies_wait_with(monkeypatch, clock=clock.monotonic, sleep=clock.sleep)
     strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_evaluate_nodes=3, min_available_nodes=3,
                        min_valid_replies=2, node_wait_s=5.0)
-    strategy._node_waiter.clock, strategy._node_waiter.sleep = clock.monotonic, clock.sleep
 
     strategy.configure_train(1, _arrays(), ConfigRecord(), grid)
     grid.node_ids = [11, 12]  # node 13 is lost during round 1's training
@@ -101,16 +114,16 @@ def test_a_lost_node_is_waited_for_once_not_in_every_later_round(monkeypatch: py
         assert clock.now - start == 5.0
 
 
-def test_a_node_that_reconnects_during_the_wait_ends_it() -> None:
+def test_a_node_that_reconnects_during_the_wait_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
     grid, clock = FakeGrid([11, 12], None), FakeClock()
-    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_available_nodes=3, min_valid_replies=2, node_wait_s=60.0)
 
     def sleep(seconds: float) -> None:
         clock.sleep(seconds)
         if clock.now >= 3.0:
             grid.node_ids = [11, 12, 13]
 
-    strategy._node_waiter.clock, strategy._node_waiter.sleep = clock.monotonic, sleep
+    _strategies_wait_with(monkeypatch, clock=clock.monotonic, sleep=sleep)
+    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_available_nodes=3, min_valid_replies=2, node_wait_s=60.0)
     sent = list(strategy.configure_train(1, _arrays(), ConfigRecord(), grid))
     assert sorted(m.metadata.dst_node_id for m in sent) == [11, 12, 13] and clock.now == 3.0
 
