@@ -22,7 +22,7 @@ from fedfiot_flwr.merge import spec_from_module
 from fedfiot_flwr.refine import refine_merged_model
 from fedfiot_flwr.refine.stage import RefinementStage, describe_candidate, split_folds
 from fedfiot_flwr.server import FedAvgAggregator, FedFiOTLegacy, MergeStrategy
-from fedfiot_flwr.server.selection import Candidate, merge_round
+from fedfiot_flwr.server.aggregators import FedFiOTAggregator, RoundContext
 from fedfiot_flwr.server.shell import arrays_to_numpy
 from fedfiot_flwr.server.uploads import collect_uploads
 from fedfiot_flwr.validation import make_validate_fn
@@ -88,12 +88,8 @@ def test_fedfiot_with_refine_returns_the_refinement_of_its_merge() -> None:
     spec = spec_from_module(model)
     fit_loader, sel_loader = _folds(data)
     uploads = _uploads(replies)
-    cfg = strategy.fedfiot_config
-    outcome = merge_round(uploads, spec, Candidate(cfg.rho, cfg.lam, cfg.reference, cfg.fisher_scaling),
-                          max_iters=cfg.max_iters, matching=cfg.matching, aggregation=cfg.aggregation,
-                          fallback=cfg.selection, server_round=1, sweep=SMALL,
-                          validate=make_validate_fn(Net(), sel_loader), baseline=False, fedavg_candidate=False,
-                          fisher_cap=cfg.fisher_cap)
+    outcome = FedFiOTAggregator(spec, strategy.fedfiot_config).merge(
+        uploads, RoundContext(1, validate=make_validate_fn(Net(), sel_loader)))
     perms = outcome.result.permutations if outcome.variant == "aligned" else None
     expected, rep = refine_merged_model(outcome.model, uploads.weights, model, fit_loader, sel_loader, spec=spec,
                                         permutations=perms, num_examples=uploads.num_examples, options=QUICK)
@@ -116,12 +112,9 @@ def test_server_data_without_refine_fits_nothing() -> None:
     assert strategy.post_merge is None and "nothing is trained" in strategy.plan
     replies = _replies()
     got = arrays_to_numpy(strategy.aggregate_train(1, replies)[0])
-    cfg = strategy.fedfiot_config
-    outcome = merge_round(_uploads(replies), spec_from_module(Net()),
-                          Candidate(cfg.rho, cfg.lam, cfg.reference, cfg.fisher_scaling), max_iters=cfg.max_iters,
-                          fallback=cfg.selection, server_round=1, sweep=SMALL,
-                          validate=make_validate_fn(Net(), DataLoader(data, batch_size=500)), baseline=True,
-                          fedavg_candidate=True, fisher_cap=cfg.fisher_cap, certify=cfg.certify)
+    validate = make_validate_fn(Net(), DataLoader(data, batch_size=500))
+    outcome = FedFiOTAggregator(spec_from_module(Net()), strategy.fedfiot_config).merge(
+        _uploads(replies), RoundContext(1, validate=validate))
     _assert_equal(got, outcome.model)
     assert "post_merge" not in strategy.reports[0]
 

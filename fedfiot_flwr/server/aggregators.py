@@ -26,7 +26,7 @@ from fedfiot_flwr.choose import higher_is_better
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.reply_limits import fisher_bound_for
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.selection import Candidate, merge_round
+from fedfiot_flwr.server.selection import Candidate, MergeOutcome, merge_round
 from fedfiot_flwr.server.uploads import CollectedUploads
 from fedfiot_flwr.options import FEDFISHER_VARIANTS, SERVER_FISHER_KINDS
 from fedfiot_flwr.options import Model
@@ -189,11 +189,26 @@ class FedFiOTAggregator:
         """Largest Fisher entry a reply may carry (``None``: any finite one, which the robust cap neutralises)."""
         return fisher_bound_for(self.settings.fisher_cap)
 
-    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
-        """Merge (and select on validation data when the configuration asks for it)."""
+    def merge(self, uploads: CollectedUploads, context: RoundContext) -> MergeOutcome:
+        """The round's merge and selection with this configuration, everything it tried included.
+
+        :func:`~fedfiot_flwr.server.selection.merge_round` with the configuration's options;
+        :meth:`aggregate` reports its outcome.
+
+        Parameters
+        ----------
+        uploads : CollectedUploads
+            The round's valid uploads.
+        context : RoundContext
+            Round number, broadcast model, buffers and validation function.
+
+        Returns
+        -------
+        MergeOutcome
+        """
         cfg = self.settings
         validate = context.validate
-        outcome = merge_round(
+        return merge_round(
             uploads,
             self.spec,
             Candidate(float(cfg.rho), float(cfg.lam), cfg.reference, cfg.fisher_scaling),
@@ -213,7 +228,14 @@ class FedFiOTAggregator:
             cost_dtype=cfg.cost_dtype,
             lap_solver=cfg.lap_solver,
             certify=cfg.certify,
+            broadcast_in_round_one=cfg.broadcast_in_round_one,
         )
+
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+        """Merge (and select on validation data when the configuration asks for it)."""
+        cfg = self.settings
+        validate = context.validate
+        outcome = self.merge(uploads, context)
         res, cand = outcome.result, outcome.candidate
         iters = [int(r.iterations) for r in res.reports.values()]
         moved = [float(x) for x in res.fraction_permuted]

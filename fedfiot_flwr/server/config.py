@@ -78,6 +78,11 @@ class FedFiOTConfig:
     lap_solver : {"scipy", "lapjv", "auto"}
         Assignment solver (``"lapjv"`` needs the optional ``lap`` package; ``"auto"`` uses it
         when installed).
+    broadcast_in_round_one : bool
+        Offer ``reference="broadcast"`` in round 1 too. Round 1's broadcast model is the
+        initialisation, which the paper does not match against (round 1 aligns to the largest
+        client); when every client started from it (a shared initialisation) it is a reference
+        all of them trained away from.
     """
 
     name: str = "custom"
@@ -96,6 +101,7 @@ class FedFiOTConfig:
     certify: bool = False
     cost_dtype: str = "float64"
     lap_solver: str = "scipy"
+    broadcast_in_round_one: bool = False
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")

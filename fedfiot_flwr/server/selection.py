@@ -85,7 +85,8 @@ class SweepGrid:
         Tempering exponents and dampings.
     references : tuple of str
         ``"largest"`` and/or ``"broadcast"``; ``"broadcast"`` is skipped in round 1, where the
-        broadcast model is the random initialisation and encodes nothing to match against.
+        broadcast model is the random initialisation and encodes nothing to match against
+        (unless the caller says every client started from it: ``broadcast_in_round_one``).
     fisher_scalings : tuple of str
         Any of :data:`fedfiot_flwr.merge.FISHER_SCALINGS`.
     """
@@ -95,7 +96,8 @@ class SweepGrid:
     references: tuple[str, ...] = DEFAULT_GRID_REFERENCES
     fisher_scalings: tuple[str, ...] = ("none",)
 
-    def candidates(self, default: Candidate | None = None, server_round: int = 1) -> list[Candidate]:
+    def candidates(self, default: Candidate | None = None, server_round: int = 1,
+                   broadcast_in_round_one: bool = False) -> list[Candidate]:
         """All candidates of the grid for ``server_round``, ``default`` first (it wins ties).
 
         Parameters
@@ -104,6 +106,9 @@ class SweepGrid:
             The strategy's own configuration; tried first so that ties keep it.
         server_round : int
             Current round (1-based); round 1 drops ``reference="broadcast"``.
+        broadcast_in_round_one : bool
+            Keep ``reference="broadcast"`` in round 1 too (every client started from the
+            broadcast initialisation).
 
         Returns
         -------
@@ -111,8 +116,9 @@ class SweepGrid:
             Distinct candidates in a fixed order.
         """
         out: list[Candidate] = []
-        refs = [r for r in self.references if not (r == "broadcast" and server_round <= 1)]
-        if default is not None and not (default.reference == "broadcast" and server_round <= 1):
+        no_broadcast = server_round <= 1 and not broadcast_in_round_one
+        refs = [r for r in self.references if not (r == "broadcast" and no_broadcast)]
+        if default is not None and not (default.reference == "broadcast" and no_broadcast):
             out.append(default)
         for ref in refs:
             for scaling in self.fisher_scalings:
@@ -232,6 +238,7 @@ def merge_round(
     lap_solver: str = "scipy",
     certify: bool = False,
     warm_start: bool = False,
+    broadcast_in_round_one: bool = False,
 ) -> MergeOutcome:
     """Merge one round's valid uploads, selecting on validation data when possible.
 
@@ -288,6 +295,10 @@ def merge_round(
         reference and scaling, one grid step away; :mod:`fedfiot_flwr.server.warm_starts`).
         Faster (usually one inner iteration per layer instead of two), but not the paper's
         cold start: opt-in.
+    broadcast_in_round_one : bool
+        Offer ``reference="broadcast"`` in round 1 too, where the broadcast model is the
+        initialisation: meaningful when every client started from it (a shared initialisation).
+        Off: round 1 aligns to the largest client, as the paper does.
 
     Every candidate merges the same uploads, so the sweep shares its work: the uploads are
     prepared once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
@@ -305,8 +316,10 @@ def merge_round(
         logger.warning("FedFiOT: fallback='validation' without a validation function; using the paper's rule")
         fallback = "objective"
     start = time.perf_counter()
-    candidates = sweep.candidates(default, server_round) if (sweep is not None and validate is not None) else [default]
-    if default.reference == "broadcast" and server_round <= 1 and candidates == [default]:
+    candidates = (sweep.candidates(default, server_round, broadcast_in_round_one)
+                  if sweep is not None and validate is not None else [default])
+    no_broadcast = server_round <= 1 and not broadcast_in_round_one
+    if default.reference == "broadcast" and no_broadcast and candidates == [default]:
         logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
         candidates = [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
 
