@@ -10,16 +10,21 @@ In your own ClientApp, train with your own loop, then make the reply with one ca
 packs weights and Fisher with :func:`fedfiot_flwr.wire.pack_reply`. :func:`curvature_reply`
 does the same for the baselines' uploads (K-FAC factors, input Grams). :func:`train_and_pack`
 is this project's own ClientApp step: it trains with this package's trainer
-(:func:`fedfiot_flwr.task.train`: SGD with momentum and a cosine schedule), then packs.
+(:func:`fedfiot_flwr.task.train`: SGD with momentum and a cosine schedule), then packs;
+:func:`train_round` is the same step returning, next to the reply, the float32 weights and
+Fisher it packed and the time of training and of the Fisher pass (a :class:`ClientRound`).
 
 This module imports the wire format and the client-side maths only, never server code.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import RecordDict
 from torch import nn
@@ -40,6 +45,7 @@ from fedfiot_flwr.wire import (  # re-exported: the client half of the wire form
     pack_reply,
     unpack_reply,
 )
+from fedfiot_flwr.wire.q16 import to_numpy
 
 __all__ = [
     "ARRAYS_RECORD",
@@ -48,12 +54,14 @@ __all__ = [
     "STYPE_WEIGHT",
     "STYPE_WEIGHT_FISHER",
     "UPLOAD_KINDS",
+    "ClientRound",
     "ClientUpload",
     "curvature_reply",
     "fedavg_reply",
     "fisher_reply",
     "pack_reply",
     "train_and_pack",
+    "train_round",
     "unpack_reply",
 ]
 
@@ -71,6 +79,55 @@ def count_examples(loader: Iterable[Any]) -> int:
     if dataset is not None and hasattr(dataset, "__len__"):
         return len(dataset)
     return sum(int(split_batch(b)[1].shape[0]) for b in loader)
+
+
+@dataclass(frozen=True)
+class ClientRound:
+    """A FedFiOT reply with what it was made from.
+
+    Attributes
+    ----------
+    reply : RecordDict
+        The packed 16-bit reply, as the client sends it.
+    weights : dict[str, np.ndarray]
+        The model's ``state_dict()`` as packed, before quantization (float32 weights, integer
+        buffers as they are), copied to the CPU.
+    fisher : dict[str, np.ndarray]
+        The diagonal Fisher as packed, before quantization.
+    train_seconds, fisher_seconds : float
+        Wall time of local training (0 when the caller trained) and of the Fisher pass.
+    """
+
+    reply: RecordDict
+    weights: dict[str, np.ndarray]
+    fisher: dict[str, np.ndarray]
+    train_seconds: float
+    fisher_seconds: float
+
+
+def _fisher_round(
+    model: nn.Module,
+    loader: Iterable[Any],
+    metrics: Mapping[str, float] | None,
+    num_examples: int | None,
+    fisher_kind: str,
+    device: torch.device | str | None,
+    progress: bool | None,
+) -> ClientRound:
+    """Diagonal Fisher of ``model`` over ``loader``, then 16-bit packing (see :func:`fisher_reply`)."""
+    if fisher_kind not in FISHER_KINDS:
+        raise ValueError(f"fisher_kind must be one of {FISHER_KINDS}, got {fisher_kind!r}")
+    extra = dict(metrics or {})
+    if NUM_EXAMPLES_KEY in extra:  # Flower's usual metrics dict already carries the size
+        sent = extra.pop(NUM_EXAMPLES_KEY)
+        num_examples = int(sent) if num_examples is None else num_examples
+    start = time.perf_counter()
+    fisher = diagonal_fisher(model, loader, fisher_kind, device=_device(device), progress=progress)
+    seconds = time.perf_counter() - start
+    n = count_examples(loader) if num_examples is None else int(num_examples)
+    weights = {k: to_numpy(v).copy() for k, v in model.state_dict().items()}
+    fisher_np = {k: to_numpy(v) for k, v in fisher.items()}
+    return ClientRound(pack_reply(weights, fisher_np, n, extra), weights, fisher_np, 0.0, seconds)
 
 
 def fisher_reply(
@@ -112,15 +169,7 @@ def fisher_reply(
     RecordDict
         The reply content (see :mod:`fedfiot_flwr.wire`).
     """
-    if fisher_kind not in FISHER_KINDS:
-        raise ValueError(f"fisher_kind must be one of {FISHER_KINDS}, got {fisher_kind!r}")
-    extra = dict(metrics or {})
-    if NUM_EXAMPLES_KEY in extra:  # Flower's usual metrics dict already carries the size
-        sent = extra.pop(NUM_EXAMPLES_KEY)
-        num_examples = int(sent) if num_examples is None else num_examples
-    fisher = diagonal_fisher(model, loader, fisher_kind, device=_device(device), progress=progress)
-    n = count_examples(loader) if num_examples is None else int(num_examples)
-    return pack_reply(model.state_dict(), fisher, n, extra)
+    return _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, progress).reply
 
 
 def curvature_reply(
@@ -237,7 +286,35 @@ def train_and_pack(
     RecordDict
         The reply content.
     """
+    return train_round(model, trainloader, epochs, fisher_kind=fisher_kind, device=device,
+                       fisherloader=fisherloader, num_examples=num_examples, progress=progress,
+                       **train_kwargs).reply
+
+
+def train_round(
+    model: nn.Module,
+    trainloader: Iterable[Any],
+    epochs: int,
+    *,
+    fisher_kind: str = "empirical",
+    device: torch.device | str | None = None,
+    fisherloader: Iterable[Any] | None = None,
+    num_examples: int | None = None,
+    progress: bool | None = None,
+    **train_kwargs: Any,
+) -> ClientRound:
+    """:func:`train_and_pack`, returning the unquantized weights and Fisher and the time of each step too.
+
+    The reply is :func:`train_and_pack`'s, byte for byte; the parameters are its parameters.
+
+    Returns
+    -------
+    ClientRound
+        The reply, the float32 weights and Fisher it packs, training and Fisher seconds.
+    """
+    start = time.perf_counter()
     metrics = train(model, trainloader, epochs, device=device, progress=progress, **train_kwargs)
+    train_seconds = time.perf_counter() - start
     loader = trainloader if fisherloader is None else fisherloader
-    return fisher_reply(model, loader, metrics, num_examples=num_examples, fisher_kind=fisher_kind,
-                        device=device, progress=progress)
+    packed = _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, progress)
+    return replace(packed, train_seconds=train_seconds)

@@ -24,6 +24,7 @@ from fedfiot_flwr.client import (
     fedavg_reply,
     pack_reply,
     train_and_pack,
+    train_round,
     unpack_reply,
 )
 from fedfiot_flwr.models import build_model
@@ -224,6 +225,45 @@ def test_train_and_pack_one_client_round_on_digits() -> None:
     for name, value in model.state_dict().items():
         ref = value.numpy()
         assert np.abs(upload.weights[name] - ref).max() <= np.abs(ref).max() / (2 * LEVELS) * 1.001
+
+
+def _digits_round(fn, seed: int = 3):  # noqa: ANN001, ANN202
+    """``fn`` (train_and_pack or train_round) on 200 digits images, seeded, Fisher over the same images unshuffled."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.images[:200] / 16.0, dtype=torch.float32).unsqueeze(1)
+    data_set = TensorDataset(x, torch.tensor(data.target[:200]))
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    loader = DataLoader(data_set, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    out = fn(model, loader, 1, device="cpu", fisherloader=DataLoader(data_set, batch_size=100), lr=0.05,
+             progress=False)
+    return model, out
+
+
+def _payload(content: RecordDict) -> dict[str, bytes]:
+    return {k: bytes(a.data) for k, a in content[ARRAYS_RECORD].items()}
+
+
+def test_train_round_is_train_and_pack_with_the_float32_upload_and_timings() -> None:
+    _, packed = _digits_round(train_and_pack)
+    model, got = _digits_round(train_round)
+    assert _payload(got.reply) == _payload(packed)
+    assert dict(got.reply[METRICS_RECORD]) == dict(packed[METRICS_RECORD])
+    # The float32 weights and Fisher are what was packed: packing them again gives the same bytes.
+    metrics = {k: v for k, v in got.reply[METRICS_RECORD].items() if k != "num-examples"}
+    again = pack_reply(got.weights, got.fisher, int(got.reply[METRICS_RECORD]["num-examples"]), metrics)
+    assert _payload(again) == _payload(got.reply)
+    assert list(got.weights) == list(model.state_dict()) and set(got.fisher) == {n for n, _ in model.named_parameters()}
+    assert all(a.dtype == np.float32 for a in [*got.weights.values(), *got.fisher.values()])
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(got.weights[name], value.numpy())
+    first, tensor = next(iter(model.state_dict().items()))
+    with torch.no_grad():  # copies: the model may go on training
+        tensor.add_(1.0)
+    assert not np.array_equal(got.weights[first], tensor.numpy())
+    assert got.train_seconds > 0 and got.fisher_seconds > 0
 
 
 def test_a_client_written_from_the_documented_format_is_byte_identical() -> None:
