@@ -59,6 +59,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.portable import portable_config  # noqa: E402
 from fedfiot_flwr.data import FederatedSplit, canonical_name  # noqa: E402
+from fedfiot_flwr.server.config import FedFiOTConfig  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
 
 FEW_ROUND_METHODS = ("fedavg", "fisher-merge", "regmean", "fedfisher-diag", "fedfiot", "fedfiot-default")
@@ -133,14 +134,20 @@ def keep_fraction(split: FederatedSplit, fraction: float, seed: int) -> Federate
     return replace(split, client_indices=indices, clients=[Subset(split.bundle.train, idx.tolist()) for idx in indices])
 
 
-def plan_for(method: str, init: str, grid: str, server_round: int) -> H.MethodPlan:
-    """The harness plan of a merge-engine method (FedAvg merges the float32 uploads, as Flower's FedAvg)."""
-    if method == "fedavg":
-        return replace(H.method_plans(["fedavg"], init, grid, server_round=server_round)[0], upload="fp32")
+def config_for(method: str, init: str, grid: str, server_round: int) -> FedFiOTConfig:
+    """The configuration the aggregator runs for a merge-engine method in ``server_round``.
+
+    ``fedfiot-default-noalign`` is the default preset with the matching switched off (same
+    tempering, cap, selection and FedAvg candidate).
+    """
     if method == "fedfiot-default-noalign":
-        plan = H.method_plans(["fedfiot-default"], init, grid, server_round=server_round)[0]
-        return replace(plan, name=method, preset="ablation-b")
-    return H.method_plans([method], init, grid, server_round=server_round)[0]
+        return replace(H.method_config("fedfiot-default", init, grid, server_round=server_round), matching="none")
+    return H.method_config(method, init, grid, server_round=server_round)
+
+
+def upload_for(method: str) -> str:
+    """The uploads a method merges: FedAvg the float32 ones, as Flower's FedAvg; the others the 16-bit ones."""
+    return "fp32" if method == "fedavg" else H.upload_of(method)
 
 
 class Round:
@@ -172,16 +179,16 @@ class Round:
             rec["alignment_fraction_permuted"] = H.fedfiot_alignment_fraction(uploads.quantized, self.spec, self.buffers)
             rec["kept"] = "-"
         else:
-            plan = plan_for(method, self.setting.init, self.args.grid, server_round)
-            res = H.apply_method(plan, uploads, self.spec, self.buffers, ev.validate, server_round=server_round)
+            config = config_for(method, self.setting.init, self.args.grid, server_round)
+            res = H.apply_method(method, config, uploads, self.spec, self.buffers, ev.validate,
+                                 server_round=server_round, upload=upload_for(method))
             rec = res.record()
-            rec["method"] = method
-            if plan.upload == "fp32":
+            if res.upload == "fp32":
                 rec["upload_bytes_per_client"] = float(sum(np.asarray(v).nbytes for v in uploads.float32.weights[0].values()))
             else:
                 rec["upload_bytes_per_client"] = float(np.mean(list(uploads.quantized.bytes_per_client.values())))
             if method in FEDFIOT_METHODS:
-                rec["kept"] = res.outcome.variant
+                rec["kept"] = res.knobs["variant"]
             else:
                 rec["kept"] = "-"
                 rec["alignment_fraction_permuted"] = H.fedfiot_alignment_fraction(

@@ -5,11 +5,11 @@ then one client at a time re-packs its upload with its Fisher multiplied by a fa
 ``1e6``, or scaled to float32's largest value) and the round goes through the strategy's own
 path: :func:`~fedfiot_flwr.server.uploads.collect_uploads` (the reply bounds: with a cap, any finite
 Fisher is accepted; without one, a Fisher above ``MAX_FISHER_MAGNITUDE`` excludes the reply) and
-:func:`~fedfiot_flwr.server.selection.merge_round` with the default preset (validation choice between
-the aligned merge, the identity merge and FedAvg), with and without the robust Fisher cap
-(:func:`fedfiot_flwr.merge.robust.cap_fishers`). Reported: test accuracy, the honest-run
-difference, the attacker's mean per-coordinate weight share (at the chosen rho, lam) and
-whether the attacker was excluded by the reply bounds.
+the strategy's aggregator (:class:`~fedfiot_flwr.server.aggregators.FedFiOTAggregator`) with the
+default preset (validation choice between the aligned merge, the identity merge and FedAvg), with
+and without the robust Fisher cap (:func:`fedfiot_flwr.merge.robust.cap_fishers`). Reported: test
+accuracy, the honest-run difference, the attacker's mean per-coordinate weight share (at the
+chosen rho, lam) and whether the attacker was excluded by the reply bounds.
 
 Run (digits, the app's default data, then Fashion-MNIST on the cached one-shot uploads):
 
@@ -24,6 +24,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import harness as H  # noqa: E402
 from fedfiot_flwr.client import pack_reply  # noqa: E402
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, cap_fishers, weight_shares  # noqa: E402
-from fedfiot_flwr.reply_limits import fisher_bound_for  # noqa: E402
-from fedfiot_flwr.server.selection import merge_round  # noqa: E402
+from fedfiot_flwr.server.aggregators import FedFiOTAggregator  # noqa: E402
+from fedfiot_flwr.server.config import FedFiOTConfig  # noqa: E402
 from fedfiot_flwr.server.uploads import collect_uploads  # noqa: E402
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -76,18 +77,20 @@ def inflated_reply(uploads: H.Uploads, k: int, factor: float | None) -> Any:
     return pack_reply(weights, big, uploads.quantized.num_examples[k], uploads.quantized.metrics[k])
 
 
-def run_scenario(uploads: H.Uploads, replies: list[Any], spec: Any, buffers: Sequence[str], plan: H.MethodPlan,
+def run_scenario(uploads: H.Uploads, replies: list[Any], spec: Any, buffers: Sequence[str], config: FedFiOTConfig,
                  ev: H.Evaluator, cap: float, attacker: int | None) -> dict[str, Any]:
-    """One round through the strategy's collection and selection; the chosen model's test accuracy."""
+    """One round through the strategy's collection and its aggregator; the chosen model's test accuracy.
+
+    ``config`` (the default preset) runs with the Fisher cap ``cap`` (0: none) and every
+    assignment solved (``certify=False``, as in the recorded results; certified assignments
+    give the same permutations).
+    """
+    aggregator = FedFiOTAggregator(spec, replace(config, fisher_cap=cap or None, certify=False))
     ids = [str(i) for i in range(len(replies))]
     expected = {k: tuple(np.shape(v)) for k, v in uploads.float32.weights[0].items()}
-    collected = collect_uploads(list(zip(ids, replies)), expected, buffers, fisher_bound=fisher_bound_for(cap or None))
+    collected = collect_uploads(list(zip(ids, replies)), expected, buffers, fisher_bound=aggregator.fisher_bound)
     t0 = time.perf_counter()
-    outcome = merge_round(
-        collected, spec, plan.default, max_iters=8, matching="fisher", aggregation="fisher", fallback=plan.fallback,
-        buffers=buffers, broadcast=uploads.broadcast, server_round=2, sweep=plan.grid, validate=ev.validate,
-        metric="accuracy", baseline=False, fedavg_candidate=True, fisher_cap=cap or None,
-    )
+    outcome = aggregator.merge(collected, H.round_context(uploads, buffers, ev.validate))
     seconds = time.perf_counter() - t0
     _, acc = ev.test(outcome.model)
     _, own_acc = ev.test(outcome.own_model) if outcome.own_model is not None else (None, acc)
@@ -111,7 +114,7 @@ def run_dataset(dataset: str, args: argparse.Namespace, log: Any) -> list[dict[s
     ev = H.Evaluator(split, build)
     uploads = H.one_shot_uploads(setting, split, buffers, args.cache_dir, None, log)
     grid = args.grid if dataset == "digits" else args.fashion_grid
-    plan = H.method_plans(["fedfiot-default"], "shared", grid)[0]
+    config = H.method_config("fedfiot-default", "shared", grid)
     attackers = args.attackers if args.attackers is not None else list(range(args.clients))
     rows: list[dict[str, Any]] = []
     for cap in args.caps:
@@ -121,7 +124,7 @@ def run_dataset(dataset: str, args: argparse.Namespace, log: Any) -> list[dict[s
             replies = list(uploads.replies)
             if attacker is not None:
                 replies[attacker] = inflated_reply(uploads, attacker, FACTORS[factor])
-            res = run_scenario(uploads, replies, spec, buffers, plan, ev, cap, attacker)
+            res = run_scenario(uploads, replies, spec, buffers, config, ev, cap, attacker)
             row = {"dataset": dataset, "cap": cap, "factor": factor, "attacker": attacker, "grid": grid, **res}
             rows.append(row)
             log(f"{dataset} cap={cap:g} {factor:6s} attacker={attacker}: test {100 * res['test_accuracy']:.1f}% "

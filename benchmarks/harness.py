@@ -2,10 +2,11 @@
 
 Everything reuses the library: :class:`~fedfiot_flwr.app_config.AppConfig` for the split, the
 model and the seeds (so a benchmark client is the Flower ClientApp's client), the client's
-training + Fisher + 16-bit packing (:mod:`fedfiot_flwr.client`), the strategy's reply
-collection (:func:`~fedfiot_flwr.server.uploads.collect_uploads`) and its validation-based
-selection (:func:`~fedfiot_flwr.server.selection.merge_round`), and the engine's method presets
-(:data:`fedfiot_flwr.merge.METHODS`).
+round (:func:`fedfiot_flwr.client.train_round`: training, Fisher, 16-bit packing), the
+strategy's reply collection (:func:`~fedfiot_flwr.server.uploads.collect_uploads`) and its
+aggregator (:class:`~fedfiot_flwr.server.aggregators.FedFiOTAggregator`). Every merge method is
+a :class:`~fedfiot_flwr.server.config.FedFiOTConfig`: the paper's and the default preset, or the
+merge engine's named methods (:data:`fedfiot_flwr.merge.METHODS`) as configurations.
 
 Every method is applied to the SAME uploads of a setting, and each method's knobs are chosen
 on the same server validation set (500 examples by default); the test set is used only for
@@ -22,7 +23,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +34,22 @@ from torch.utils.data import DataLoader
 
 from benchmarks import portable
 from fedfiot_flwr.app_config import AppConfig
-from fedfiot_flwr.wire import pack_reply
+from fedfiot_flwr.client import ClientRound, train_round
 from fedfiot_flwr.data import FederatedSplit
-from fedfiot_flwr.fisher import diagonal_fisher
 from fedfiot_flwr.merge import METHODS, PermutationSpec, merge
 from fedfiot_flwr.models import permutation_spec
+from fedfiot_flwr.server.aggregators import (
+    AggregateOutcome,
+    FedFiOTAggregator,
+    FedFisherAggregator,
+    RegMeanAggregator,
+    RoundContext,
+)
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.selection import Candidate, MergeOutcome, SweepGrid, merge_round
+from fedfiot_flwr.server.selection import MergeOutcome, SweepGrid
 from fedfiot_flwr.server.shell import buffers_of
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads
-from fedfiot_flwr.task import default_device, evaluate, train
+from fedfiot_flwr.task import default_device, evaluate
 
 logger = logging.getLogger("fedfiot_flwr.benchmarks")
 
@@ -60,6 +67,8 @@ PAPER_LAMS = (1e-3, 1e-4, 1e-5)
 SMALL_RHOS = (0.3, 0.5, 0.7)
 SMALL_LAMS = (1e-3, 1e-5)
 GRIDS = {"paper": (PAPER_RHOS, PAPER_LAMS), "small": (SMALL_RHOS, SMALL_LAMS), "tiny": ((0.5,), (1e-3, 1e-5))}
+UPLOADS = ("q16", "fp32")
+"""The 16-bit uploads (as sent) and their float32 originals."""
 
 # Row order of the tables; "fedfiot-fp32" is FedFiOT on the float32 (unquantized) uploads.
 ONE_SHOT_METHODS = (
@@ -172,27 +181,6 @@ def record_fields(setting: Setting) -> dict[str, Any]:
 
 
 @dataclass
-class ClientResult:
-    """One client's reply and what it cost.
-
-    Attributes
-    ----------
-    reply : RecordDict
-        The packed 16-bit reply, exactly as a FedFiOT ClientApp sends it.
-    weights32, fisher32 : dict[str, np.ndarray]
-        The same weights and Fisher before quantization (float32).
-    train_seconds, fisher_seconds : float
-        Wall time of local training and of the Fisher pass.
-    """
-
-    reply: RecordDict
-    weights32: Model
-    fisher32: Model
-    train_seconds: float
-    fisher_seconds: float
-
-
-@dataclass
 class Uploads:
     """All clients' uploads of one setting (or one round).
 
@@ -220,6 +208,12 @@ class Uploads:
     fisher_seconds: float
     cached: bool = False
 
+    def collected(self, upload: str = "q16") -> CollectedUploads:
+        """The 16-bit uploads (``"q16"``) or their float32 originals (``"fp32"``)."""
+        if upload not in UPLOADS:
+            raise ValueError(f"upload must be one of {UPLOADS}, got {upload!r}")
+        return self.quantized if upload == "q16" else self.float32
+
 
 def client_seed(seed: int, server_round: int, partition_id: int) -> int:
     """Seed of a client's data order in a round (the Flower ClientApp's formula)."""
@@ -245,12 +239,12 @@ def train_client(
     start: Mapping[str, np.ndarray] | None,
     server_round: int = 1,
     device: torch.device | None = None,
-) -> ClientResult:
-    """One client's round, as the Flower ClientApp runs it, keeping the float32 upload too.
+) -> ClientRound:
+    """One client's round, as the Flower ClientApp runs it (:func:`fedfiot_flwr.client.train_round`).
 
-    ``fedfiot_flwr.client.train_and_pack`` is ``train`` + ``diagonal_fisher`` + ``pack_reply``;
-    the three calls are made here one by one so that the unquantized weights and Fisher (for the
-    16-bit vs float32 comparison) and the time of each part are available.
+    The ClientApp's model, seeds and data order; the Fisher pass sees the client's examples once,
+    without augmentation, in batches of 1000. The result keeps the float32 weights and Fisher
+    (for the 16-bit vs float32 comparison) and the time of training and of the Fisher pass.
 
     Parameters
     ----------
@@ -267,6 +261,10 @@ def train_client(
         Round number (seeds the data order).
     device : torch.device, optional
         Defaults to CUDA when available.
+
+    Returns
+    -------
+    ClientRound
     """
     device = device or default_device()
     if start is None:
@@ -276,21 +274,13 @@ def train_client(
     seed = client_seed(cfg.seed, server_round, partition_id)
     gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(split.clients[partition_id], batch_size=cfg.batch_size, shuffle=True, generator=gen)
-    torch.manual_seed(seed)
-    t0 = time.perf_counter()
-    metrics = train(model, loader, cfg.local_epochs, lr=cfg.lr, device=device, progress=False)
-    t1 = time.perf_counter()
-    # The Fisher pass sees the client's examples once, without augmentation, in large batches.
     fisher_loader = DataLoader(split.client_eval(partition_id), batch_size=1000)
-    fisher = diagonal_fisher(model, fisher_loader, "empirical", device=device, progress=False)
-    t2 = time.perf_counter()
-    weights = state_numpy(model)
-    fisher_np = {k: v.detach().cpu().numpy() for k, v in fisher.items()}
-    reply = pack_reply(weights, fisher_np, len(split.client_indices[partition_id]), metrics)
-    return ClientResult(reply, weights, fisher_np, t1 - t0, t2 - t1)
+    torch.manual_seed(seed)
+    return train_round(model, loader, cfg.local_epochs, device=device, fisherloader=fisher_loader,
+                       num_examples=len(split.client_indices[partition_id]), progress=False, lr=cfg.lr)
 
 
-def _save_client(path: Path, result: ClientResult) -> None:
+def _save_client(path: Path, result: ClientRound) -> None:
     """Cache one client: the reply's raw Arrays (the wire payload), its metrics, and the float32 upload."""
     arrays = result.reply["fedfiot"]
     meta = {
@@ -300,8 +290,8 @@ def _save_client(path: Path, result: ClientResult) -> None:
         "fisher_seconds": result.fisher_seconds,
     }
     payload: dict[str, np.ndarray] = {f"wire/{k}": np.frombuffer(a.data, dtype=np.uint8) for k, a in arrays.items()}
-    payload.update({f"w32/{k}": v for k, v in result.weights32.items()})
-    payload.update({f"f32/{k}": v for k, v in result.fisher32.items()})
+    payload.update({f"w32/{k}": v for k, v in result.weights.items()})
+    payload.update({f"f32/{k}": v for k, v in result.fisher.items()})
     payload["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
@@ -309,7 +299,8 @@ def _save_client(path: Path, result: ClientResult) -> None:
     os.replace(tmp, path)
 
 
-def _load_client(path: Path) -> ClientResult:
+def _load_client(path: Path) -> ClientRound:
+    """One cached client (:func:`_save_client`'s file)."""
     with np.load(path) as data:
         meta = json.loads(bytes(data["meta"]).decode())
         arrays = ArrayRecord()
@@ -319,19 +310,19 @@ def _load_client(path: Path) -> ClientResult:
         w32 = {k[4:]: data[k] for k in data.files if k.startswith("w32/")}
         f32 = {k[4:]: data[k] for k in data.files if k.startswith("f32/")}
     order = list(meta["arrays"])
-    return ClientResult(reply, {k: w32[k] for k in order}, {k: f32[k] for k in order if k in f32},
-                        float(meta["train_seconds"]), float(meta["fisher_seconds"]))
+    return ClientRound(reply, {k: w32[k] for k in order}, {k: f32[k] for k in order if k in f32},
+                       float(meta["train_seconds"]), float(meta["fisher_seconds"]))
 
 
-def collect(results: Sequence[ClientResult], buffers: Sequence[str], broadcast: Model | None) -> Uploads:
+def collect(results: Sequence[ClientRound], buffers: Sequence[str], broadcast: Model | None) -> Uploads:
     """Collect client results as the strategy does (unpack, dequantize, validate) plus their float32 twin."""
     ids = [str(i) for i in range(len(results))]
-    expected = {k: tuple(v.shape) for k, v in results[0].weights32.items()}
+    expected = {k: tuple(v.shape) for k, v in results[0].weights.items()}
     quantized = collect_uploads(list(zip(ids, (r.reply for r in results))), expected, buffers)
     if quantized.rejections:
         raise ValueError(f"benchmark uploads rejected: {[vars(r) for r in quantized.rejections]}")
     float32 = CollectedUploads(
-        client_ids=list(ids), weights=[r.weights32 for r in results], fishers=[r.fisher32 for r in results],
+        client_ids=list(ids), weights=[r.weights for r in results], fishers=[r.fisher for r in results],
         num_examples=list(quantized.num_examples), metrics=list(quantized.metrics),
     )
     return Uploads(quantized, float32, [r.reply for r in results], broadcast,
@@ -353,7 +344,7 @@ def one_shot_uploads(
     """
     cfg = setting.app_config()
     broadcast = state_numpy(cfg.build_model(split)) if setting.init == "shared" else None
-    results: list[ClientResult] = []
+    results: list[ClientRound] = []
     cached = True
     for pid in range(setting.clients):
         path = None if cache_dir is None else Path(cache_dir) / setting.cache_key() / f"client{pid}.npz"
@@ -429,79 +420,43 @@ class Evaluator:
 # ------------------------------------------------------------------------------------ methods
 
 
-@dataclass(frozen=True)
-class MethodPlan:
-    """How one table row is produced from a setting's uploads.
+UPLOAD_OF = {"fedfiot-fp32": "fp32"}
+"""Methods that merge the float32 uploads; every other method merges the 16-bit ones."""
 
-    Attributes
+
+def upload_of(method: str) -> str:
+    """``"fp32"`` for the methods of :data:`UPLOAD_OF`, else ``"q16"``."""
+    return UPLOAD_OF.get(method, "q16")
+
+
+def engine_config(method: str, **changes: Any) -> FedFiOTConfig:
+    """The FedFiOT configuration that runs the merge engine's named method.
+
+    Parameters
     ----------
-    name : str
-        Row name (a key of :data:`METHOD_LABELS`).
-    preset : str
-        Merge-engine configuration (a key of :data:`fedfiot_flwr.merge.METHODS`).
-    default : Candidate
-        The configuration without a sweep (tried first with one, so it wins ties).
-    grid : SweepGrid or None
-        The method's own knobs, selected on validation accuracy.
-    fallback : str
-        :func:`fedfiot_flwr.server.selection.merge_round`'s fallback.
-    upload : {"q16", "fp32"}
-        The 16-bit uploads (default) or their float32 originals.
-    fedavg_candidate : bool
-        FedAvg of the same uploads competes on validation.
-    fisher_cap, certify
-        :func:`fedfiot_flwr.server.selection.merge_round`'s robust Fisher cap and certified
-        assignments (the library's default preset sets both; see :func:`default_preset_plan`).
+    method : str
+        A key of :data:`fedfiot_flwr.merge.METHODS`: its matching, aggregation, inner iterations
+        and identity rule (the preset's ``fallback`` is the configuration's ``selection``).
+    **changes
+        Further :class:`~fedfiot_flwr.server.config.FedFiOTConfig` fields (e.g. ``sweep``).
+
+    Returns
+    -------
+    FedFiOTConfig
     """
-
-    name: str
-    preset: str
-    default: Candidate
-    grid: SweepGrid | None
-    fallback: str
-    upload: str = "q16"
-    fedavg_candidate: bool = False
-    fisher_cap: float | None = None
-    certify: bool = False
-
-    def knobs(self) -> str:
-        """Human-readable description of the grid."""
-        if self.grid is None:
-            return "none"
-        g, d = self.grid, self.default
-        parts = []
-        for label, values, fixed in (("rho", g.rhos, d.rho), ("lam", g.lams, d.lam), ("reference", g.references, None),
-                                     ("Fisher scaling", g.fisher_scalings, d.fisher_scaling)):
-            values = tuple(dict.fromkeys((*values, *(() if fixed is None else (fixed,)))))
-            if label in ("rho", "lam"):
-                values = tuple(sorted(values, reverse=label == "lam"))
-            if len(values) > 1:
-                parts.append(f"{label} {list(values)}")
-            elif label in ("rho", "lam") and self.preset in ("fisher-merge", "ablation-b", "ablation-c", "ablation-d", "fedfiot"):
-                parts.append(f"{label} = {values[0]:g}")
-        text = " x ".join(parts) or "none"
-        if self.fallback == "validation":
-            text += "; aligned or identity merge chosen on validation"
-        elif METHODS[self.preset]["matching"] != "none" and self.fallback == "objective":
-            text += "; identity fallback by objective (paper)"
-        return text + f" [{self.upload} uploads]"
+    options = dict(METHODS[method])
+    if "fallback" in options:
+        options["selection"] = options.pop("fallback")
+    return FedFiOTConfig(**{**options, **changes})
 
 
 DEFAULT_PRESET = FedFiOTConfig.default()
 """The library's default preset, which the ``fedfiot-default`` row runs (on the benchmark's grid)."""
 
 
-def default_preset_plan(grid: SweepGrid) -> MethodPlan:
-    """The ``fedfiot-default`` row: :data:`DEFAULT_PRESET`'s merge options with the benchmark's ``grid``."""
-    cfg = DEFAULT_PRESET
-    return MethodPlan("fedfiot-default", "fedfiot", Candidate(cfg.rho, cfg.lam, cfg.reference, cfg.fisher_scaling),
-                      grid, cfg.selection, fedavg_candidate=cfg.fedavg_candidate, fisher_cap=cfg.fisher_cap,
-                      certify=cfg.certify)
-
-
-def method_plans(names: Sequence[str], init: str, grid: str = "paper", broadcast_reference: bool = True,
-                 server_round: int = 1) -> list[MethodPlan]:
-    """The plans of the named methods.
+def method_configs(names: Sequence[str], init: str, grid: str = "paper", broadcast_reference: bool = True,
+                   server_round: int = 1) -> dict[str, FedFiOTConfig]:
+    """The configurations of the named methods, by name.
 
     Knobs per method (each chosen on the validation set):
 
@@ -510,48 +465,134 @@ def method_plans(names: Sequence[str], init: str, grid: str = "paper", broadcast
       damping lam, and the Fisher's client-size scaling (none | n_k/n).
     - OTFusion-like, WB-fusion-like: the reference (Euclidean matching and uniform averaging
       ignore rho and lam).
-    - Ablations B, C, D and FedFiOT: rho x lam (x reference when there is alignment), the
-      paper's rule for the identity fallback, the paper's unscaled Fisher.
+    - Ablations B, C, D and FedFiOT (:meth:`FedFiOTConfig.paper`): rho x lam (x reference when
+      there is alignment), the paper's rule for the identity fallback, the paper's unscaled Fisher.
     - ``fedfiot-val``: FedFiOT's grid plus Fisher scaling, keeping the aligned or the identity
       merge by validation accuracy instead of the objective (a point the paper leaves open).
+    - ``fedfiot-default``: :data:`DEFAULT_PRESET` on the benchmark's grid (validation picks
+      aligned, identity or FedAvg).
 
     ``reference="broadcast"`` (the shared initialisation in one-shot, the previous global
-    model later) is a candidate when ``broadcast_reference`` and there is a broadcast model.
+    model later) is a candidate when ``broadcast_reference`` and there is a broadcast model; in
+    round 1 with a shared initialisation the configurations offer it with
+    ``broadcast_in_round_one``.
+
+    Parameters
+    ----------
+    names : sequence of str
+        Method names (keys of :data:`METHOD_LABELS`).
+    init : {"shared", "independent"}
+        The setting's initialisation.
+    grid : str
+        A key of :data:`GRIDS`.
+    broadcast_reference : bool
+        Offer the broadcast model as a reference.
+    server_round : int
+        The round the configurations merge (1-based).
+
+    Returns
+    -------
+    dict[str, FedFiOTConfig]
+        In the order of ``names``.
     """
     rhos, lams = GRIDS[grid]
     refs: tuple[str, ...] = ("largest",)
     if broadcast_reference and (init == "shared" or server_round > 1):
         refs = ("largest", "broadcast")
-    default = Candidate(0.5, 1e-4, "largest", "none")
-    plans = {
-        "fedavg": MethodPlan("fedavg", "fedavg", default, None, "objective"),
-        "fisher-merge": MethodPlan("fisher-merge", "fisher-merge", Candidate(1.0, 1e-4, "largest", "none"),
-                                   SweepGrid((1.0,), lams, ("largest",), ("none", "size")), "objective"),
-        "otfusion": MethodPlan("otfusion", "otfusion", default, SweepGrid((0.5,), (1e-4,), refs), "none"),
-        "wb-fusion": MethodPlan("wb-fusion", "wb-fusion", default, SweepGrid((0.5,), (1e-4,), refs), "none"),
-        "ablation-b": MethodPlan("ablation-b", "ablation-b", default, SweepGrid(rhos, lams, ("largest",)), "objective"),
-        "ablation-c": MethodPlan("ablation-c", "ablation-c", default, SweepGrid(rhos, lams, refs), "objective"),
-        "ablation-d": MethodPlan("ablation-d", "ablation-d", default, SweepGrid(rhos, lams, refs), "objective"),
-        "fedfiot": MethodPlan("fedfiot", "fedfiot", default, SweepGrid(rhos, lams, refs), "objective"),
-        "fedfiot-fp32": MethodPlan("fedfiot-fp32", "fedfiot", default, SweepGrid(rhos, lams, refs), "objective", "fp32"),
-        "fedfiot-val": MethodPlan("fedfiot-val", "fedfiot", default, SweepGrid(rhos, lams, refs, ("none", "size")),
-                                  "validation"),
-        # The library's default preset: validation picks aligned / identity / FedAvg.
-        "fedfiot-default": default_preset_plan(SweepGrid(rhos, lams, refs, DEFAULT_PRESET.sweep.fisher_scalings)),
+    configs = {
+        "fedavg": engine_config("fedavg"),
+        "fisher-merge": engine_config("fisher-merge", rho=1.0,
+                                      sweep=SweepGrid((1.0,), lams, ("largest",), ("none", "size"))),
+        "otfusion": engine_config("otfusion", sweep=SweepGrid((0.5,), (1e-4,), refs)),
+        "wb-fusion": engine_config("wb-fusion", sweep=SweepGrid((0.5,), (1e-4,), refs)),
+        "ablation-b": engine_config("ablation-b", sweep=SweepGrid(rhos, lams, ("largest",))),
+        "ablation-c": engine_config("ablation-c", sweep=SweepGrid(rhos, lams, refs)),
+        "ablation-d": engine_config("ablation-d", sweep=SweepGrid(rhos, lams, refs)),
+        "fedfiot": FedFiOTConfig.paper(sweep=SweepGrid(rhos, lams, refs)),
+        "fedfiot-fp32": FedFiOTConfig.paper(sweep=SweepGrid(rhos, lams, refs)),
+        "fedfiot-val": engine_config("fedfiot", selection="validation",
+                                     sweep=SweepGrid(rhos, lams, refs, ("none", "size"))),
+        "fedfiot-default": FedFiOTConfig.default(
+            sweep=SweepGrid(rhos, lams, refs, DEFAULT_PRESET.sweep.fisher_scalings)),
     }
-    unknown = [n for n in names if n not in plans]
+    unknown = [n for n in names if n not in configs]
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {list(plans)}")
-    return [plans[n] for n in names]
+        raise ValueError(f"unknown methods {unknown}; choose from {list(configs)}")
+    offer_init = broadcast_reference and init == "shared"
+    return {n: replace(configs[n], broadcast_in_round_one=offer_init) for n in names}
+
+
+def method_config(name: str, init: str, grid: str = "paper", broadcast_reference: bool = True,
+                  server_round: int = 1) -> FedFiOTConfig:
+    """The configuration of one method (:func:`method_configs`)."""
+    return method_configs([name], init, grid, broadcast_reference, server_round)[name]
+
+
+def _weighs_by_fisher(config: FedFiOTConfig) -> bool:
+    """Whether ``rho`` and ``lam`` change the merge (a Fisher matching cost or Fisher-weighted average)."""
+    return config.matching == "fisher" or config.aggregation == "fisher"
+
+
+def knobs_description(config: FedFiOTConfig, upload: str = "q16") -> str:
+    """Human-readable description of a configuration's grid (for the results page).
+
+    Parameters
+    ----------
+    config : FedFiOTConfig
+        The method's configuration.
+    upload : {"q16", "fp32"}
+        The uploads it merges.
+
+    Returns
+    -------
+    str
+        ``"none"`` without a sweep.
+    """
+    if config.sweep is None:
+        return "none"
+    g = config.sweep
+    parts = []
+    for label, values, fixed in (("rho", g.rhos, config.rho), ("lam", g.lams, config.lam),
+                                 ("reference", g.references, None),
+                                 ("Fisher scaling", g.fisher_scalings, config.fisher_scaling)):
+        values = tuple(dict.fromkeys((*values, *(() if fixed is None else (fixed,)))))
+        if label in ("rho", "lam"):
+            values = tuple(sorted(values, reverse=label == "lam"))
+        if len(values) > 1:
+            parts.append(f"{label} {list(values)}")
+        elif label in ("rho", "lam") and _weighs_by_fisher(config):
+            parts.append(f"{label} = {values[0]:g}")
+    text = " x ".join(parts) or "none"
+    if config.selection == "validation":
+        text += "; aligned or identity merge chosen on validation"
+    elif config.matching != "none" and config.selection == "objective":
+        text += "; identity fallback by objective (paper)"
+    return text + f" [{upload} uploads]"
+
+
+def swept_knobs(config: FedFiOTConfig) -> list[str]:
+    """The knobs a configuration chooses among (the others are fixed or have no effect)."""
+    if config.sweep is None:
+        return []
+    g = config.sweep
+    grid = (("rho", g.rhos), ("lam", g.lams), ("reference", g.references), ("fisher_scaling", g.fisher_scalings))
+    swept = [k for k, values in grid if len({*values, getattr(config, k)}) > 1]
+    if config.selection == "validation":
+        swept.append("variant")
+    return swept
 
 
 @dataclass
 class MethodResult:
-    """A method's chosen model on one setting and how it was chosen."""
+    """A method's chosen model on one setting and how it was chosen.
+
+    ``outcome`` is the aggregator's :class:`~fedfiot_flwr.server.aggregators.AggregateOutcome`;
+    ``upload`` is ``"q16"`` or ``"fp32"`` (the uploads merged).
+    """
 
     method: str
     model: Model
-    outcome: MergeOutcome
+    outcome: AggregateOutcome
     validation_accuracy: float
     knobs: dict[str, Any]
     fraction_permuted: float
@@ -559,9 +600,26 @@ class MethodResult:
     merge_seconds: float
     sweep_seconds: float
     candidates: int
+    upload: str = "q16"
     test_accuracy: float = math.nan
     test_loss: float = math.nan
     test_seconds: float = 0.0
+
+    @property
+    def own_model(self) -> Model:
+        """FedFiOT's own merge: ``model`` unless FedAvg of the same uploads won the validation choice."""
+        return self.outcome.alternatives.get("fedfiot-own", self.model)
+
+    @property
+    def own_validation_accuracy(self) -> float:
+        """Validation accuracy of :attr:`own_model`."""
+        own = self.outcome.alternative_validation.get("fedfiot-own")
+        return self.validation_accuracy if own is None else float(own.get("accuracy", self.validation_accuracy))
+
+    @property
+    def own_variant(self) -> str:
+        """``"aligned"`` or ``"identity"``: which merge :attr:`own_model` is."""
+        return str(self.outcome.record["own_variant"])
 
     def record(self) -> dict[str, Any]:
         """JSON-friendly summary (no model)."""
@@ -574,73 +632,89 @@ class MethodResult:
         }
 
 
-def merge_with_plan(
-    plan: MethodPlan,
+def round_context(uploads: Uploads, buffers: Sequence[str], validate: Callable[[Model], Mapping[str, float]],
+                  server_round: int = 1) -> RoundContext:
+    """What the strategy hands its aggregator in ``server_round``: the broadcast model, buffers, ``validate``."""
+    return RoundContext(server_round, broadcast=uploads.broadcast, buffers=tuple(buffers), validate=validate)
+
+
+def merge_outcome(
+    config: FedFiOTConfig,
     uploads: Uploads,
     spec: PermutationSpec,
     buffers: Sequence[str],
     validate: Callable[[Model], Mapping[str, float]],
     server_round: int = 1,
-    max_iters: int = 8,
+    upload: str = "q16",
 ) -> MergeOutcome:
-    """:func:`fedfiot_flwr.server.selection.merge_round` with ``plan``'s options, knobs chosen by ``validate``.
+    """The shipped aggregator's merge and selection of ``uploads`` (:meth:`FedFiOTAggregator.merge`),
+    with everything it tried (both merges of the chosen candidate, its permutations)."""
+    context = round_context(uploads, buffers, validate, server_round)
+    return FedFiOTAggregator(spec, config).merge(uploads.collected(upload), context)
 
-    ``server_round=2`` is passed when the broadcast model is offered as a reference in one-shot
-    with a shared initialisation (``merge_round`` drops ``"broadcast"`` in round 1, where the
-    paper uses only the largest client).
-    """
-    options = METHODS[plan.preset]
-    offers_broadcast = plan.grid is not None and "broadcast" in plan.grid.references
-    round_for_grid = max(server_round, 2) if offers_broadcast and uploads.broadcast is not None else server_round
-    return merge_round(
-        uploads.quantized if plan.upload == "q16" else uploads.float32, spec, plan.default,
-        max_iters=int(options.get("max_iters", max_iters)), matching=options["matching"],
-        aggregation=options["aggregation"], fallback=plan.fallback, buffers=buffers, broadcast=uploads.broadcast,
-        server_round=round_for_grid, sweep=plan.grid, validate=validate, metric="accuracy", baseline=False,
-        fedavg_candidate=plan.fedavg_candidate, fisher_cap=plan.fisher_cap, certify=plan.certify,
-    )
+
+def _knobs(config: FedFiOTConfig, outcome: AggregateOutcome) -> dict[str, Any]:
+    """The knobs the aggregator chose, which of them were swept, and whether the method aligns."""
+    knobs: dict[str, Any] = dict(outcome.chosen)
+    if config.fedavg_candidate:
+        knobs["fedavg_won"] = outcome.chosen["variant"] == "fedavg"
+        knobs["own_variant"] = outcome.record["own_variant"]
+    knobs["swept"] = swept_knobs(config)
+    knobs["aligning"] = config.matching != "none"
+    return knobs
 
 
 def apply_method(
-    plan: MethodPlan,
+    method: str,
+    config: FedFiOTConfig,
     uploads: Uploads,
     spec: PermutationSpec,
     buffers: Sequence[str],
     validate: Callable[[Model], Mapping[str, float]],
     server_round: int = 1,
-    max_iters: int = 8,
+    upload: str | None = None,
 ) -> MethodResult:
-    """Merge ``uploads`` with one method, choosing its knobs on validation accuracy
-    (:func:`merge_with_plan`: the strategy's own selection)."""
-    options = METHODS[plan.preset]
+    """Merge ``uploads`` with one method: the shipped aggregator (:class:`FedFiOTAggregator`) with
+    ``config``, knobs chosen on validation accuracy.
+
+    Parameters
+    ----------
+    method : str
+        The row name.
+    config : FedFiOTConfig
+        What the aggregator runs (:func:`method_configs`).
+    uploads : Uploads
+        The setting's (or round's) uploads.
+    spec, buffers
+        The architecture's permutation spec and buffers.
+    validate : callable
+        ``model dict -> {"accuracy": ...}`` on the server's validation set.
+    server_round : int
+        Round number (1-based).
+    upload : {"q16", "fp32"}, optional
+        The uploads merged; default :func:`upload_of` ``(method)``.
+
+    Returns
+    -------
+    MethodResult
+    """
+    upload = upload or upload_of(method)
     t0 = time.perf_counter()
-    outcome = merge_with_plan(plan, uploads, spec, buffers, validate, server_round, max_iters)
+    outcome = FedFiOTAggregator(spec, config).aggregate(uploads.collected(upload),
+                                                        round_context(uploads, buffers, validate, server_round))
     sweep_seconds = time.perf_counter() - t0
-    res = outcome.result
-    # With fallback="validation" a candidate appears twice (aligned, identity) with one merge time.
-    distinct = {(t["rho"], t["lam"], str(t["reference"]), t["fisher_scaling"]): t["merge_seconds"] for t in outcome.trials}
-    alignment_fraction = float(np.mean(res.fraction_permuted)) if res.fraction_permuted else 0.0
-    kept_aligned = outcome.variant == "aligned" and options["matching"] != "none"
-    knobs: dict[str, Any] = {**asdict(outcome.candidate), "variant": outcome.variant}
-    if plan.fedavg_candidate:
-        knobs["fedavg_won"] = outcome.variant == "fedavg"
-        knobs["own_variant"] = outcome.own_variant
-    # Which knobs the method actually chose among (the others are fixed or have no effect).
-    knobs["swept"] = [] if plan.grid is None else [
-        k for k, values in (("rho", plan.grid.rhos), ("lam", plan.grid.lams), ("reference", plan.grid.references),
-                            ("fisher_scaling", plan.grid.fisher_scalings))
-        if len({*values, getattr(plan.default, k)}) > 1
-    ]
-    if plan.fallback == "validation":
-        knobs["swept"].append("variant")
-    knobs["aligning"] = options["matching"] != "none"
+    # With selection="validation" a candidate appears twice (aligned, identity) with one merge time.
+    distinct = {(t["rho"], t["lam"], str(t["reference"]), t["fisher_scaling"]): t["merge_seconds"]
+                for t in outcome.record["trials"]}
+    moved = outcome.metrics["alignment-moved-fraction"]
+    alignment_fraction = float(np.mean(moved)) if moved else 0.0
+    kept_aligned = outcome.chosen["variant"] == "aligned" and config.matching != "none"
     return MethodResult(
-        method=plan.name, model=outcome.model, outcome=outcome,
-        validation_accuracy=float((outcome.validation or {}).get("accuracy", math.nan)), knobs=knobs,
-        fraction_permuted=alignment_fraction if kept_aligned else 0.0,
-        alignment_fraction_permuted=alignment_fraction,
-        merge_seconds=float(sum(distinct.values())),
-        sweep_seconds=sweep_seconds, candidates=len(distinct),
+        method=method, model=outcome.model, outcome=outcome,
+        validation_accuracy=float((outcome.validation or {}).get("accuracy", math.nan)),
+        knobs=_knobs(config, outcome), fraction_permuted=alignment_fraction if kept_aligned else 0.0,
+        alignment_fraction_permuted=alignment_fraction, merge_seconds=float(sum(distinct.values())),
+        sweep_seconds=sweep_seconds, candidates=len(distinct), upload=upload,
     )
 
 
@@ -823,10 +897,8 @@ class CurvatureMethodResult:
 
 
 def curvature_aggregator(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str = "true",
-                         device: torch.device | None = None) -> Any:
+                         device: torch.device | None = None) -> FedFisherAggregator | RegMeanAggregator:
     """The aggregator the Flower strategy of ``method`` runs (FedFisher or RegMean)."""
-    from fedfiot_flwr.server.aggregators import FedFisherAggregator, RegMeanAggregator
-
     if method == "regmean":
         return RegMeanAggregator()
     variant = {"fedfisher-kfac": "kfac", "fedfisher-diag": "diag"}[method]
@@ -862,7 +934,6 @@ def apply_curvature_method(
     (:func:`~fedfiot_flwr.server.uploads.collect_uploads`) and merged by the same aggregator
     (FedFisher: best checkpoint; RegMean: best alpha), so the benchmark merges exactly what the app would.
     """
-    from fedfiot_flwr.server.aggregators import RoundContext
     from fedfiot_flwr.wire import fedavg_payload_bytes
 
     cr = curvature_replies(method, setting, split, uploads, build, fisher_kind, cache_dir, device, log)
@@ -1103,10 +1174,11 @@ def replace_setting(setting: Setting, **changes: Any) -> Setting:
 __all__ = [
     "CACHE_DIR", "CURVATURE_METHODS", "CurvatureMethodResult", "CurvatureReplies", "DEFAULT_MODELS",
     "FEDFISHER_STEPS", "apply_curvature_method", "curvature_knobs", "curvature_replies", "curvature_aggregator",
-    "upload_table", "EXTRA_METHODS", "Evaluator", "GRIDS", "METHOD_LABELS", "MethodPlan",
-    "MethodResult", "ONE_SHOT_METHODS", "RESULTS_DIR", "Setting", "Uploads", "accuracy_table", "apply_method",
-    "client_seed", "collect", "command_line", "fedfiot_alignment_fraction", "flower_fedavg", "fraction_table",
-    "knob_table", "load_numpy", "machine_description", "mean_std", "method_plans", "model_tools",
-    "one_shot_uploads", "record_fields", "set_threads", "setup_logging", "state_numpy", "train_client",
-    "write_json",
+    "upload_table", "DEFAULT_PRESET", "EXTRA_METHODS", "Evaluator", "GRIDS", "METHOD_LABELS",
+    "MethodResult", "ONE_SHOT_METHODS", "RESULTS_DIR", "Setting", "UPLOADS", "UPLOAD_OF", "Uploads",
+    "accuracy_table", "apply_method", "client_seed", "collect", "command_line", "engine_config",
+    "fedfiot_alignment_fraction", "flower_fedavg", "fraction_table", "knob_table", "knobs_description",
+    "load_numpy", "machine_description", "mean_std", "merge_outcome", "method_config", "method_configs",
+    "model_tools", "one_shot_uploads", "record_fields", "round_context", "set_threads", "setup_logging",
+    "state_numpy", "swept_knobs", "train_client", "upload_of", "write_json",
 ]

@@ -119,6 +119,11 @@ def settings_of(args: argparse.Namespace, dataset: str) -> list[H.Setting]:
     ]
 
 
+def merge_methods(methods: Sequence[str]) -> list[str]:
+    """The methods of ``methods`` that the FedFiOT aggregator runs (not the curvature or server-data rows)."""
+    return [m for m in methods if m not in H.CURVATURE_METHODS + S.SERVER_DATA_METHODS]
+
+
 def run_setting(setting: H.Setting, args: argparse.Namespace, state: dict[str, Any], log: Any) -> dict[str, Any]:
     """Train (or load) one setting's uploads and apply every method; returns the setting's summary."""
     cfg = setting.app_config()
@@ -139,32 +144,31 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, state: dict[str, A
         "upload_seconds_this_run": load_seconds,
         "client_train_accuracy": [m.get("train-accuracy") for m in uploads.quantized.metrics],
     }
-    plans = H.method_plans([m for m in args.methods if m not in H.CURVATURE_METHODS + S.SERVER_DATA_METHODS],
-                           setting.init, args.grid, not args.no_broadcast_reference)
+    configs = H.method_configs(merge_methods(args.methods), setting.init, args.grid, not args.no_broadcast_reference)
     merge_total = test_total = 0.0
     records = []
-    for plan in plans:
-        res = H.apply_method(plan, uploads, spec, buffers, ev.validate)
+    for name, config in configs.items():
+        res = H.apply_method(name, config, uploads, spec, buffers, ev.validate)
         t1 = time.perf_counter()
         res.test_loss, res.test_accuracy = ev.test(res.model)
         res.test_seconds = time.perf_counter() - t1
         merge_total += res.sweep_seconds
         test_total += res.test_seconds
-        records.append({**base, **res.record(), "upload": plan.upload})
-        if plan.fedavg_candidate:  # FedFiOT's own merge, reported next to a FedAvg win
-            own = res.outcome.own_model if res.outcome.own_model is not None else res.model
+        records.append({**base, **res.record(), "upload": res.upload})
+        if config.fedavg_candidate:  # FedFiOT's own merge, reported next to a FedAvg win
+            own = res.own_model
             own_loss, own_acc = (res.test_loss, res.test_accuracy) if own is res.model else ev.test(own)
-            own_val = (res.outcome.own_validation or {}).get("accuracy", res.validation_accuracy)
-            records.append({**base, **res.record(), "method": "fedfiot-own", "upload": plan.upload,
-                            "test_accuracy": own_acc, "test_loss": own_loss, "validation_accuracy": own_val,
-                            "knobs": {**res.knobs, "variant": res.outcome.own_variant}})
+            records.append({**base, **res.record(), "method": "fedfiot-own", "upload": res.upload,
+                            "test_accuracy": own_acc, "test_loss": own_loss,
+                            "validation_accuracy": res.own_validation_accuracy,
+                            "knobs": {**res.knobs, "variant": res.own_variant}})
             log(f"  {'fedfiot-own':13s} test {100 * own_acc:5.1f}%  (FedAvg won: {res.knobs.get('fedavg_won')})")
-        if plan.name == "fedavg":
+        if name == "fedavg":
             flower = H.flower_fedavg(uploads.replies, uploads.quantized)
             diff = max(float(np.max(np.abs(flower[k].astype(np.float64) - res.model[k].astype(np.float64))))
                        for k in flower)
             summary["fedavg_vs_flower_max_abs_diff"] = diff
-        log(f"  {plan.name:13s} test {100 * res.test_accuracy:5.1f}%  val {100 * res.validation_accuracy:5.1f}%  "
+        log(f"  {name:13s} test {100 * res.test_accuracy:5.1f}%  val {100 * res.validation_accuracy:5.1f}%  "
             f"{H.knob_text(res.knobs):32s} permuted {100 * res.fraction_permuted:4.1f}%  "
             f"{res.candidates} cand. {res.sweep_seconds:.1f}s")
     curvature_methods = [m for m in args.methods if m in H.CURVATURE_METHODS]
@@ -412,9 +416,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "methods": list(args.methods),
         "grid": args.grid,
-        "grids": {p.name: p.knobs() for p in H.method_plans([m for m in args.methods
-                                                             if m not in H.CURVATURE_METHODS + S.SERVER_DATA_METHODS],
-                                                            "shared", args.grid, not args.no_broadcast_reference)},
+        "grids": {name: H.knobs_description(config, H.upload_of(name))
+                  for name, config in H.method_configs(merge_methods(args.methods), "shared", args.grid,
+                                                       not args.no_broadcast_reference).items()},
         "settings": [], "records": [], "skipped": [],
     }
     for m in args.methods:

@@ -45,10 +45,9 @@ from torch.utils.data import DataLoader, Subset  # noqa: E402
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import server_methods as S  # noqa: E402
 from fedfiot_flwr.batchnorm import recompute_batchnorm_statistics  # noqa: E402
-from fedfiot_flwr.client import pack_reply  # noqa: E402
-from fedfiot_flwr.fisher import diagonal_fisher  # noqa: E402
+from fedfiot_flwr.client import train_round  # noqa: E402
 from fedfiot_flwr.merge import merge, spec_from_module  # noqa: E402
-from fedfiot_flwr.task import default_device, train  # noqa: E402
+from fedfiot_flwr.task import default_device  # noqa: E402
 
 METHODS = ("fedavg", "fisher-merge", "regmean", "fedfiot", "fedfiot-default", "fedfiot-refined", "best-single-client")
 LABELS = {**H.METHOD_LABELS, **S.LABELS, "regmean": "RegMean"}
@@ -109,18 +108,13 @@ def subset_uploads(setting: H.Setting, split: Any, buffers: Sequence[str], fract
         n = len(split.clients[pid])
         keep = torch.randperm(n, generator=gen)[: max(1, round(fraction * n))].tolist()
         loader = DataLoader(Subset(split.clients[pid], keep), batch_size=cfg.batch_size, shuffle=True, generator=gen)
-        torch.manual_seed(seed)
-        t0 = time.perf_counter()
-        metrics = train(model, loader, cfg.local_epochs, lr=cfg.lr, device=device, progress=False)
-        t1 = time.perf_counter()
         fisher_loader = DataLoader(Subset(split.client_eval(pid), keep[:fisher_examples]), batch_size=1000)
-        fisher = diagonal_fisher(model, fisher_loader, "empirical", device=device, progress=False)
-        t2 = time.perf_counter()
-        weights = H.state_numpy(model)
-        fisher_np = {k: v.detach().cpu().numpy() for k, v in fisher.items()}
-        res = H.ClientResult(pack_reply(weights, fisher_np, len(keep), metrics), weights, fisher_np, t1 - t0, t2 - t1)
-        log(f"  client {pid}: {len(keep)} of {n} examples, train {t1 - t0:.1f}s, Fisher {t2 - t1:.1f}s, "
-            f"train acc {float(metrics.get('train-accuracy', math.nan)):.3f}")
+        torch.manual_seed(seed)
+        res = train_round(model, loader, cfg.local_epochs, device=device, fisherloader=fisher_loader,
+                          num_examples=len(keep), progress=False, lr=cfg.lr)
+        log(f"  client {pid}: {len(keep)} of {n} examples, train {res.train_seconds:.1f}s, "
+            f"Fisher {res.fisher_seconds:.1f}s, "
+            f"train acc {float(res.reply['metrics'].get('train-accuracy', math.nan)):.3f}")
         H._save_client(path, res)
         results.append(res)
     out = H.collect(results, buffers, broadcast)
@@ -166,21 +160,21 @@ def one_shot(args: argparse.Namespace) -> dict[str, Any]:
                                     "train_seconds": uploads.train_seconds, "fisher_seconds": uploads.fisher_seconds,
                                     "client_sizes": list(uploads.quantized.num_examples),
                                     "fraction": args.fraction, "fisher_examples": args.fisher_examples})
-        plans = H.method_plans([m for m in args.methods if m not in H.CURVATURE_METHODS + SERVER_DATA], init,
-                               args.grid)
+        configs = H.method_configs([m for m in args.methods if m not in H.CURVATURE_METHODS + SERVER_DATA], init,
+                                   args.grid)
         for bn in ("merged", "recomputed"):
             validate = ev.validate if bn == "merged" else (lambda m: ev.validate(recal(m)))
-            for plan in plans:
-                res = H.apply_method(plan, uploads, spec, buffers, validate)
+            for name, config in configs.items():
+                res = H.apply_method(name, config, uploads, spec, buffers, validate)
                 model = res.model if bn == "merged" else recal(res.model)
                 loss, acc = ev.test(model)
-                payload["records"].append({**H.record_fields(setting), "method": plan.name, "bn": bn,
+                payload["records"].append({**H.record_fields(setting), "method": name, "bn": bn,
                                            "test_accuracy": acc, "test_loss": loss,
                                            "validation_accuracy": res.validation_accuracy,
                                            "fraction_permuted": res.fraction_permuted,
                                            "alignment_fraction_permuted": res.alignment_fraction_permuted,
                                            "knobs": res.knobs, "merge_seconds": res.merge_seconds})
-                log(f"  {plan.name:16s} BN {bn:10s} test {100 * acc:5.1f}%  val {100 * res.validation_accuracy:5.1f}%"
+                log(f"  {name:16s} BN {bn:10s} test {100 * acc:5.1f}%  val {100 * res.validation_accuracy:5.1f}%"
                     f"  permuted {100 * res.fraction_permuted:4.1f}%  {H.knob_text(res.knobs)}")
             for method in [m for m in args.methods if m in H.CURVATURE_METHODS]:
                 cres = H.apply_curvature_method(method, setting, split, uploads, build, buffers, validate,

@@ -35,6 +35,7 @@ from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.refine import RefineOptions
 from fedfiot_flwr.refine.stage import RefinementStage, fold_subsets
+from fedfiot_flwr.server.selection import MergeOutcome
 from fedfiot_flwr.task import train
 
 SERVER_DATA_METHODS = ("best-single-client", "mean-client", "ensemble", "centralized", "fedfiot-refined")
@@ -128,16 +129,17 @@ def centralized(setting: H.Setting, split: FederatedSplit, uploads: H.Uploads, e
 
 
 def fedfiot_merge_on_fold(uploads: H.Uploads, spec: PermutationSpec, buffers: Sequence[str], sel_ev: H.Evaluator,
-                          grid: str = "small", init: str = "shared") -> Any:
-    """FedFiOT's default-preset merge (without the FedAvg candidate), knobs chosen on the selection fold."""
-    plan = replace(H.method_plans(["fedfiot-default"], init, grid)[0], fedavg_candidate=False)
-    return H.merge_with_plan(plan, uploads, spec, buffers, sel_ev.validate)
+                          grid: str = "small", init: str = "shared") -> MergeOutcome:
+    """FedFiOT's default-preset merge as the strategy runs it with a refinement after it (no FedAvg
+    candidate: :meth:`FedFiOTConfig.for_server`), knobs chosen on the selection fold."""
+    config = H.method_config("fedfiot-default", init, grid).for_server(has_validation=True, refining=True)
+    return H.merge_outcome(config, uploads, spec, buffers, sel_ev.validate)
 
 
 def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch.nn.Module], spec: PermutationSpec,
             buffers: Sequence[str], ev: H.Evaluator, sel_ev: H.Evaluator, options: RefineOptions,
             grid: str = "small", init: str = "shared", log: Callable[[str], None] | None = None,
-            merge_outcome: Any = None) -> dict[str, Any]:
+            merge_outcome: MergeOutcome | None = None) -> dict[str, Any]:
     """The ``fedfiot-refined`` record: FedFiOT's merge (knobs on the selection fold), then the refinement."""
     t0 = time.perf_counter()
     outcome = merge_outcome or fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, grid, init)

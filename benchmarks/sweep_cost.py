@@ -45,7 +45,8 @@ from benchmarks import harness as H  # noqa: E402
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
 from benchmarks.portable import command_line  # noqa: E402
 from fedfiot_flwr.merge.lap import lapjv_available  # noqa: E402
-from fedfiot_flwr.server.selection import merge_round  # noqa: E402
+from fedfiot_flwr.server.config import FedFiOTConfig  # noqa: E402
+from fedfiot_flwr.server.selection import Candidate, merge_round  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
 
 RESULT = H.RESULTS_DIR / "sweep_cost.md"
@@ -68,15 +69,29 @@ class CountingValidator:
         return out
 
 
-def run_sweep(fn: Any, uploads: H.Uploads, spec: Any, buffers: Any, plan: H.MethodPlan, validate: Any,
-              **speed: Any) -> tuple[Any, float, CountingValidator]:
+def round_options(config: FedFiOTConfig, uploads: H.Uploads, current: bool) -> dict[str, Any]:
+    """How a ``merge_round`` is told to offer the shared initialisation as a reference in round 1.
+
+    The current one by ``broadcast_in_round_one``; the revisions compared with it predate that
+    option and offer the broadcast model from round 2 on, so they are called as in round 2.
+    """
+    if current:
+        return {"server_round": 1, "broadcast_in_round_one": config.broadcast_in_round_one}
+    offers = (config.sweep is not None and "broadcast" in config.sweep.references
+              and config.broadcast_in_round_one and uploads.broadcast is not None)
+    return {"server_round": 2 if offers else 1}
+
+
+def run_sweep(fn: Any, uploads: H.Uploads, spec: Any, buffers: Any, config: FedFiOTConfig, validate: Any,
+              current: bool = True, **speed: Any) -> tuple[Any, float, CountingValidator]:
+    """One ``merge_round`` (``fn``: the current one or a compared revision's) of ``config``'s sweep, timed."""
     counter = CountingValidator(validate)
-    offers_broadcast = plan.grid is not None and "broadcast" in plan.grid.references and uploads.broadcast is not None
+    default = Candidate(config.rho, config.lam, config.reference, config.fisher_scaling)
     t0 = time.process_time()
-    out = fn(uploads.quantized, spec, plan.default, max_iters=8, matching="fisher", aggregation="fisher",
-             fallback=plan.fallback, buffers=buffers, broadcast=uploads.broadcast,
-             server_round=2 if offers_broadcast else 1, sweep=plan.grid, validate=counter, metric="accuracy",
-             baseline=False, fedavg_candidate=plan.fedavg_candidate, **speed)
+    out = fn(uploads.quantized, spec, default, max_iters=config.max_iters, matching=config.matching,
+             aggregation=config.aggregation, fallback=config.selection, buffers=buffers, broadcast=uploads.broadcast,
+             sweep=config.sweep, validate=counter, metric=config.selection_metric, baseline=False,
+             fedavg_candidate=config.fedavg_candidate, **round_options(config, uploads, current), **speed)
     return out, time.process_time() - t0, counter
 
 
@@ -128,20 +143,21 @@ def main() -> None:
             build, spec, buffers = H.model_tools(setting, split)
             ev = H.Evaluator(split, build, device)
             uploads = H.one_shot_uploads(setting, split, buffers, H.CACHE_DIR, device, print)
-            plan = H.method_plans(["fedfiot-default"], init)[0]
+            config = H.method_config("fedfiot-default", init)
             up = uploads.quantized
             units = []
             for _ in range(4):  # the first call pays one-off imports and allocations: dropped
                 t0 = time.process_time()
-                base_merge(up.weights, up.fishers, spec, lam=plan.default.lam, rho=plan.default.rho, max_iters=8,
+                base_merge(up.weights, up.fishers, spec, lam=config.lam, rho=config.rho, max_iters=8,
                            reference="largest", num_examples=up.num_examples, buffers=buffers,
                            client_ids=up.client_ids)
                 units.append(time.process_time() - t0)
             t_merge = min(units[1:])
-            old, t_old, c_old = run_sweep(base_round, uploads, spec, buffers, plan, ev.validate)
-            runs = {"shared preparation": run_sweep(prev_round, uploads, spec, buffers, plan, ev.validate)}
+            old, t_old, c_old = run_sweep(base_round, uploads, spec, buffers, config, ev.validate, current=False)
+            runs = {"shared preparation": run_sweep(prev_round, uploads, spec, buffers, config, ev.validate,
+                                                    current=False)}
             for label, options in variants.items():
-                runs[label] = run_sweep(merge_round, uploads, spec, buffers, plan, ev.validate, **options)
+                runs[label] = run_sweep(merge_round, uploads, spec, buffers, config, ev.validate, **options)
             row = {
                 "setting": f"{dataset} ({setting.model}) {init}", "params": sum(x.size for x in up.weights[0].values()),
                 "merge": t_merge, "old": t_old, "val_old": c_old.calls, "trials": len(old.trials),
