@@ -13,8 +13,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Rec
 from flwr.serverapp import Grid
 
 from fedfiot_flwr.client import pack_reply
-from fedfiot_flwr.merge import mlp_spec
+from fedfiot_flwr.merge import PermutationSpec, mlp_spec
 from fedfiot_flwr.server.shell import numpy_to_arrays
+from fedfiot_flwr.server.uploads import CollectedUploads
 
 @pytest.fixture(autouse=True)
 def task_identity():  # noqa: ANN201
@@ -229,3 +230,16 @@ def tiny_mlp():  # noqa: ANN201
     from _fuzz_replies import TinyMLP
 
     return TinyMLP()
+
+
+# The worked example of the paper's Appendix G: two clients, one 3-neuron layer; the aligned merge
+# has objective J = 9 against the identity merge's J = 83.
+WORKED_SPEC = PermutationSpec({"w": ("P0", None)})
+WORKED_MODELS = [{"w": np.array([[0.0], [4.0], [8.0]])}, {"w": np.array([[10.0], [2.0], [6.0]])}]
+WORKED_FISHERS = [{"w": np.array([[2.0], [0.0], [2.0]])}, {"w": np.array([[0.0], [0.0], [2.0]])}]
+
+
+def worked_uploads() -> CollectedUploads:
+    """The worked example as a round's collected uploads (clients ``a`` and ``b``, sizes 3 and 1)."""
+    return CollectedUploads(client_ids=["a", "b"], weights=WORKED_MODELS, fishers=WORKED_FISHERS, num_examples=[3, 1])
+

@@ -16,9 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedfiot_flwr.choose import BestSoFar, beats, best_index, higher_is_better
-from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.server.selection import Candidate, SweepGrid, merge_round
-from fedfiot_flwr.server.uploads import CollectedUploads
+from _fedfiot_helpers import WORKED_SPEC, worked_uploads
 
 NAN = math.nan
 
@@ -93,14 +92,8 @@ def test_best_index_is_the_first_best_number(scores: list[float], maximize: bool
 
 # ----------------------------------------------------------------------- where it is used
 
-SPEC = PermutationSpec({"w": ("P0", None)})
-# The worked example of the paper's Appendix G (test_selection_presets.py).
-UPLOADS = CollectedUploads(
-    client_ids=["a", "b"],
-    weights=[{"w": np.array([[0.0], [4.0], [8.0]])}, {"w": np.array([[10.0], [2.0], [6.0]])}],
-    fishers=[{"w": np.array([[2.0], [0.0], [2.0]])}, {"w": np.array([[0.0], [0.0], [2.0]])}],
-    num_examples=[3, 1],
-)
+SPEC = WORKED_SPEC
+UPLOADS = worked_uploads()  # the paper's Appendix G: aligned J = 9 < identity J = 83
 DEFAULT = Candidate(rho=1.0, lam=1.0, reference=0)
 GRID = SweepGrid(rhos=(0.5, 1.0), lams=(1.0, 0.1), references=("largest",))
 

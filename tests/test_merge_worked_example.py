@@ -5,10 +5,9 @@ import pytest
 
 from fedfiot_flwr.merge import PermutationSpec, merge
 from fedfiot_flwr.merge.costs import fisher_cost_matrix
+from _fedfiot_helpers import WORKED_FISHERS, WORKED_MODELS, WORKED_SPEC
 
-SPEC = PermutationSpec({"w": ("P0", None)})
-MODELS = [{"w": np.array([[0.0], [4.0], [8.0]])}, {"w": np.array([[10.0], [2.0], [6.0]])}]
-FISHERS = [{"w": np.array([[2.0], [0.0], [2.0]])}, {"w": np.array([[0.0], [0.0], [2.0]])}]
+SPEC, MODELS, FISHERS = WORKED_SPEC, WORKED_MODELS, WORKED_FISHERS
 
 
 def run(**kw):

@@ -5,25 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture (the strategy tests send messages)
-from _fedfiot_helpers import packed, reply
+from _fedfiot_helpers import WORKED_SPEC, packed, reply, worked_uploads
 from flwr.app import RecordDict
 
 from fedfiot_flwr import FedFiOT
-from fedfiot_flwr.merge import PermutationSpec, merge
+from fedfiot_flwr.merge import merge
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.selection import Candidate, MergeOutcome, merge_round
 from fedfiot_flwr.server.shell import ValidateFn, arrays_to_numpy
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads
 
-SPEC = PermutationSpec({"w": ("P0", None)})
-# The worked example of the paper's Appendix G: aligned J = 9 < identity J = 83.
-UPLOADS = CollectedUploads(
-    client_ids=["a", "b"],
-    weights=[{"w": np.array([[0.0], [4.0], [8.0]])}, {"w": np.array([[10.0], [2.0], [6.0]])}],
-    fishers=[{"w": np.array([[2.0], [0.0], [2.0]])}, {"w": np.array([[0.0], [0.0], [2.0]])}],
-    num_examples=[3, 1],
-)
+SPEC = WORKED_SPEC
+UPLOADS = worked_uploads()  # the paper's Appendix G: aligned J = 9 < identity J = 83
 DEFAULT = Candidate(rho=1.0, lam=1.0, reference=0)
 ALIGNED = [0.5, 5.5, 8.5]
 IDENTITY = [2.5, 3.0, 7.0]
