@@ -150,8 +150,8 @@ def upload_for(method: str) -> str:
     return "fp32" if method == "fedavg" else H.upload_of(method)
 
 
-class Round:
-    """One round's clients: trains them from a global model and merges their uploads with any method."""
+class Federation:
+    """One setting's clients and server: trains the clients from a global model, merges their uploads with any method."""
 
     def __init__(self, args: argparse.Namespace, setting: H.Setting, split: FederatedSplit, state: dict[str, Any],
                  log: Callable[[str], None]) -> None:
@@ -200,29 +200,29 @@ class Round:
         return rec
 
 
-def trajectory(rounds: Round, method: str, round1: H.Uploads, num_rounds: int, ablations: Sequence[str]) -> list[dict[str, Any]]:
+def trajectory(federation: Federation, method: str, round1: H.Uploads, num_rounds: int, ablations: Sequence[str]) -> list[dict[str, Any]]:
     """``method``'s records over ``num_rounds`` rounds (plus the ablations merged on its uploads)."""
     records: list[dict[str, Any]] = []
-    uploads, fields = round1, H.record_fields(rounds.setting)
+    uploads, fields = round1, H.record_fields(federation.setting)
     for rnd in range(1, num_rounds + 1):
         if rnd > 1:
-            uploads = rounds.train(global_model, rnd)
-        rec = rounds.merge(method, uploads, rnd)
+            uploads = federation.train(global_model, rnd)
+        rec = federation.merge(method, uploads, rnd)
         global_model = rec.pop("model")
         base = {**fields, "round": rnd, "trajectory": method, "train_seconds": uploads.train_seconds,
                 "fisher_seconds": uploads.fisher_seconds,
                 "client_train_accuracy": [m.get("train-accuracy") for m in uploads.quantized.metrics]}
         records.append({**base, **rec})
-        rounds.log(f"  {method:24s} round {rnd:2d}: test {100 * rec['test_accuracy']:5.1f}%  "
+        federation.log(f"  {method:24s} round {rnd:2d}: test {100 * rec['test_accuracy']:5.1f}%  "
                    f"val {100 * rec['validation_accuracy']:5.1f}%  {H.knob_text(rec['knobs']):30s} kept {rec['kept']:8s} "
                    f"moved {100 * rec['fraction_permuted']:4.1f}% (alignment {100 * rec['alignment_fraction_permuted']:4.1f}%)"
                    f"  {rec['sweep_seconds']:.0f}s")
         for other in ablations:
-            arec = rounds.merge(other, uploads, rnd)
+            arec = federation.merge(other, uploads, rnd)
             arec.pop("model")
             arec["ablation_of"] = arec["method"]
             records.append({**base, **arec, "method": f"ablation:{other}"})
-            rounds.log(f"    same clients, {other:24s}: test {100 * arec['test_accuracy']:5.1f}%  kept {arec['kept']}")
+            federation.log(f"    same clients, {other:24s}: test {100 * arec['test_accuracy']:5.1f}%  kept {arec['kept']}")
     return records
 
 
@@ -232,17 +232,18 @@ def run_setting(args: argparse.Namespace, init: str, seed: int, state: dict[str,
     setting = H.Setting(args.dataset, args.model, args.clients, args.alpha, init, seed, args.epochs,
                         args.partition_seed, args.validation_size, args.batch_size, args.lr, args.data_root)
     split = keep_fraction(setting.app_config().split(), args.train_fraction, args.partition_seed)
+    state["client_sizes"] = split.client_sizes  # the partition does not depend on the seed or the init
     todo = [m for m in args.methods if (init, seed, m) not in done]
     if not todo:
         return
-    rounds = Round(args, setting, split, state, log)
+    federation = Federation(args, setting, split, state, log)
     log(f"{args.dataset} a={args.alpha:g} {init} E={args.epochs} seed {seed}: clients hold {split.client_sizes}")
-    broadcast = H.state_numpy(setting.app_config().build_model(split)) if init == "shared" else None
-    round1 = rounds.train(broadcast, 1)
+    broadcast = H.state_numpy(federation.cfg.build_model(split)) if init == "shared" else None
+    round1 = federation.train(broadcast, 1)
     for method in todo:
         num_rounds = args.fedavg_rounds if method == "fedavg" else args.rounds
         ablations = args.ablations if method == args.ablate_on else ()
-        save(trajectory(rounds, method, round1, max(num_rounds, args.rounds), ablations))
+        save(trajectory(federation, method, round1, max(num_rounds, args.rounds), ablations))
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -445,10 +446,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for init, seeds in (("shared", args.seeds), ("independent", args.independent_seeds)):
         for seed in seeds:
             run_setting(args, init, seed, state, done, log, save)
-    setting = H.Setting(args.dataset, args.model, args.clients, args.alpha, "shared", args.seeds[0], args.epochs,
-                        args.partition_seed, args.validation_size, args.batch_size, args.lr, args.data_root)
-    payload["client_sizes"] = keep_fraction(setting.app_config().split(), args.train_fraction,
-                                            args.partition_seed).client_sizes
+    payload["client_sizes"] = state["client_sizes"]
     write()
     (args.out / f"{args.name}.md").write_text(markdown(payload, args))
     if not args.no_plots:
