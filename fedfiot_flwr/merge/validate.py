@@ -113,19 +113,21 @@ def _check_tensors(
 ) -> None:
     """One client's shapes and values: finite numbers, Fishers finite and non-negative."""
     for name, x in model.items():
-        arr = np.asarray(x)
-        if arr.shape != shapes[name]:
-            raise ValueError(f"{who}, tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
-        if not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr)):
-            raise ValueError(f"{who}, tensor {name!r}: weights must be finite numbers (found NaN/inf or non-numeric)")
+        _check_array(f"{who}, tensor {name!r}", x, shapes[name],
+                     "weights must be finite numbers (found NaN/inf or non-numeric)")
     for name, f in fisher.items():
-        arr = np.asarray(f)
-        if arr.shape != shapes[name]:
-            raise ValueError(f"{who}, Fisher of tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
-        if not np.all(np.isfinite(arr)):
-            raise ValueError(f"{who}, Fisher of tensor {name!r}: contains NaN or inf")
-        if np.any(arr < 0):
+        if np.any(_check_array(f"{who}, Fisher of tensor {name!r}", f, shapes[name]) < 0):
             raise ValueError(f"{who}, Fisher of tensor {name!r}: contains negative entries")
+
+
+def _check_array(label: str, x: np.ndarray, shape: tuple[int, ...], nonfinite: str = "contains NaN or inf") -> np.ndarray:
+    """``x`` as an array of ``shape`` holding finite numbers, or a ValueError starting with ``label``."""
+    arr = np.asarray(x)
+    if arr.shape != shape:
+        raise ValueError(f"{label}: shape {arr.shape} differs from {shape}")
+    if not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr)):
+        raise ValueError(f"{label}: {nonfinite}")
+    return arr
 
 
 def check_num_examples(
@@ -159,8 +161,4 @@ def check_reference_model(reference: Mapping[str, np.ndarray], shapes: Mapping[s
         missing = sorted(set(shapes) - set(reference))
         raise ValueError(f"reference model: keys differ from the clients' (missing {missing})")
     for name, x in reference.items():
-        arr = np.asarray(x)
-        if arr.shape != shapes[name]:
-            raise ValueError(f"reference model, tensor {name!r}: shape {arr.shape} differs from {shapes[name]}")
-        if not np.all(np.isfinite(arr)):
-            raise ValueError(f"reference model, tensor {name!r}: contains NaN or inf")
+        _check_array(f"reference model, tensor {name!r}", x, shapes[name])
