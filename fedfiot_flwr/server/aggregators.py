@@ -213,6 +213,7 @@ class FedFiOTAggregator:
             cost_dtype=cfg.cost_dtype,
             lap_solver=cfg.lap_solver,
             certify=cfg.certify,
+            lap_threads=cfg.lap_threads,
         )
         res, cand = outcome.result, outcome.candidate
         iters = [int(r.iterations) for r in res.reports.values()]

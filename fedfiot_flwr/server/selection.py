@@ -232,6 +232,7 @@ def merge_round(
     lap_solver: str = "scipy",
     certify: bool = False,
     warm_start: bool = False,
+    lap_threads: int | None = None,
 ) -> MergeOutcome:
     """Merge one round's valid uploads, selecting on validation data when possible.
 
@@ -288,6 +289,9 @@ def merge_round(
         reference and scaling, one grid step away; :mod:`fedfiot_flwr.server.warm_starts`).
         Faster (usually one inner iteration per layer instead of two), but not the paper's
         cold start: opt-in.
+    lap_threads : int, optional
+        Threads solving one alignment step's client assignments concurrently (bit-identical;
+        ``None``: automatic, see :func:`fedfiot_flwr.merge.merge`).
 
     Every candidate merges the same uploads, so the sweep shares its work: the uploads are
     prepared once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
@@ -313,7 +317,8 @@ def merge_round(
     fishers = uploads.fishers if fisher_cap is None else cap_fishers(uploads.fishers, fisher_cap)
     clients = prepare_clients(uploads.weights, fishers, buffers=buffers, num_examples=uploads.num_examples,
                               client_ids=uploads.client_ids, checked=True)
-    speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver, "certify": certify}
+    speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver, "certify": certify,
+             "lap_threads": lap_threads}
     starts = WarmStarts() if warm_start and matching != "none" else None
     validated = _CachedValidation(validate) if validate is not None else None
     maximize = higher_is_better(metric)
