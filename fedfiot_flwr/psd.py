@@ -25,6 +25,7 @@ __all__ = [
     "compressed_nbytes",
     "decompress_psd",
     "layer_matrix",
+    "psd_root",
     "rank_for_budget",
 ]
 
@@ -50,12 +51,20 @@ class KFACFactors:
         ``(d_in [+1], d_in [+1])`` input factor (float64, symmetric PSD).
     G : np.ndarray
         ``(d_out, d_out)`` output-gradient factor (float64, symmetric PSD).
+    A_root, G_root : np.ndarray or None
+        Optional low-rank roots, ``(n, r)`` with ``A = A_root A_root^T`` (``G`` likewise):
+        a decoded upload carries its factors' dequantized 8-bit codes here
+        (:func:`decompress_psd` builds ``A`` from them), so that a server can apply a rank-``r``
+        factor to a matrix in ``O(n r)`` per column instead of ``O(n^2)``
+        (:func:`fedfiot_flwr.baselines.fedfisher_kfac`). ``None``: only the dense factor is known.
     """
 
     weight: str
     bias: str | None
     A: np.ndarray
     G: np.ndarray
+    A_root: np.ndarray | None = None
+    G_root: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +179,25 @@ def decompress_psd(c: CompressedPSD, name: str = "factor") -> np.ndarray:
         On codes that are not int8 in ``[-127, 127]``, or scales of the wrong length,
         negative or non-finite.
     """
+    factor = psd_root(c, name)
+    return factor @ factor.T
+
+
+def psd_root(c: CompressedPSD, name: str = "factor") -> np.ndarray:
+    """The dequantized ``(n, r)`` root ``L_hat`` of :func:`compress_psd`'s output (float64):
+    :func:`decompress_psd` returns ``L_hat L_hat^T``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`decompress_psd`.
+
+    Examples
+    --------
+    >>> c = compress_psd(np.diag([4.0, 1.0]), rank=1)
+    >>> np.abs(psd_root(c)).ravel().tolist(), decompress_psd(c).tolist()
+    ([2.0, 0.0], [[4.0, 0.0], [0.0, 0.0]])
+    """
     codes = np.asarray(c.codes)
     scales = np.asarray(c.scales)
     if codes.ndim != 2 or codes.dtype != np.int8:
@@ -180,8 +208,7 @@ def decompress_psd(c: CompressedPSD, name: str = "factor") -> np.ndarray:
         raise ValueError(f"{name!r}: {scales.shape} scales for {codes.shape[1]} columns")
     if not np.all(np.isfinite(scales)) or np.any(scales < 0):
         raise ValueError(f"{name!r}: scales must be finite and non-negative")
-    factor = codes.astype(np.float64) * (scales.astype(np.float64) / CODE_LEVELS)
-    return factor @ factor.T
+    return codes.astype(np.float64) * (scales.astype(np.float64) / CODE_LEVELS)
 
 
 def compressed_nbytes(size: int, rank: int | None) -> int:

@@ -16,6 +16,11 @@ validation set and returning the checkpoint with the best score.
   Kronecker product: ``vec(dW)^T (A ⊗ G) vec(dW) = tr(G dW A dW^T)``, ``dW = [W b] - [W_k
   b_k]`` (bias folded in as the last column, matching the factors of
   :mod:`fedfiot_flwr.curvature`). Tensors outside a factored layer stay at the average.
+  Where the factors carry their low-rank roots (``A = L_A L_A^T``, ``G = L_G L_G^T``: a
+  decoded upload's 8-bit codes, see :class:`~fedfiot_flwr.psd.KFACFactors`), a step applies the
+  root of the wide side instead of the dense factor when that is cheaper
+  (:func:`kfac_plan`): ``G dW A = (G (dW L_A)) L_A^T``, and the quadratic form is
+  ``<dW L_A, G dW L_A>``; equal to the dense products up to float rounding.
 
 ``c_k`` is ``n_k / n`` (``fisher_scaling="size"``, what FedFisher's code does by scaling
 each client's Fisher by its data share) or ``1 / K`` (``"none"``). An optional
@@ -58,6 +63,7 @@ __all__ = [
     "FedFisherResult",
     "fedfisher_diag",
     "fedfisher_kfac",
+    "kfac_plan",
     "kfac_quadratic",
 ]
 
@@ -181,7 +187,7 @@ class _TorchAdam:
 
 def _optimise(
     start: dict[str, torch.Tensor],
-    gradient: Callable[[dict[str, torch.Tensor]], tuple[dict[str, torch.Tensor], torch.Tensor]],
+    gradient: Callable[[dict[str, torch.Tensor], bool], tuple[dict[str, torch.Tensor], torch.Tensor | None]],
     to_model: Callable[[dict[str, torch.Tensor]], Model],
     steps: int,
     lr: float,
@@ -190,7 +196,11 @@ def _optimise(
     optimizer: str,
     variant: str,
 ) -> tuple[Model, int, float | None, list[dict[str, float]]]:
-    """Optimise from ``start`` with checkpoints; return (best model, step, score, history)."""
+    """Optimise from ``start`` with checkpoints; return (best model, step, score, history).
+
+    ``gradient(params, objective)`` returns the gradient and, when ``objective`` is True (at
+    checkpoints only: nothing else reads it), the objective.
+    """
     params = {k: v.detach().clone() for k, v in start.items()}
     opt: _FedFisherUpdate | _TorchAdam
     opt = _FedFisherUpdate(params, lr, variant) if optimizer == "fedfisher" else _TorchAdam(params, lr)
@@ -199,8 +209,9 @@ def _optimise(
     kept: dict[str, torch.Tensor] = {}
     with torch.no_grad():  # the gradient is closed-form; no autograd graph is needed
         for step in range(steps + 1):
-            grads, objective = gradient(params)
-            if step % eval_every == 0 or step == steps:
+            checkpoint = step % eval_every == 0 or step == steps
+            grads, objective = gradient(params, checkpoint)
+            if checkpoint:
                 score = float("nan")
                 if evaluate is not None:
                     score = float(evaluate(to_model(params)))
@@ -313,15 +324,16 @@ def fedfisher_diag(
         fk = t(np.stack([np.asarray(f[name]) for f in fishers])) + damping
         stacked[name] = (wk, fk * cw.view((-1,) + (1,) * (wk.dim() - 1)))
 
-    def gradient(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def gradient(w: dict[str, torch.Tensor], objective: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         grads: dict[str, torch.Tensor] = {}
         obj = torch.zeros((), dtype=dtype, device=dev)
         for name, (wk, cf) in stacked.items():
             delta = w[name].unsqueeze(0) - wk  # exactly 0 where a client equals the iterate
             p = cf * delta
             grads[name] = torch.sum(p, dim=0)
-            obj = obj + torch.sum(p * delta)
-        return grads, obj
+            if objective:
+                obj = obj + torch.sum(p * delta)
+        return grads, obj if objective else None
 
     def to_model(w: dict[str, torch.Tensor]) -> Model:
         out = {k: v.copy() for k, v in init.items()}
@@ -370,7 +382,144 @@ def _check_factors(
                     raise ValueError(f"client {cid}, layer {layer!r}: factor {what} has shape {m.shape}, expected {(size, size)}")
                 if not np.all(np.isfinite(m)):
                     raise ValueError(f"client {cid}, layer {layer!r}: factor {what} has NaN or infinite values")
+            for what, root, mat, size in (("A", f.A_root, f.A, d_in), ("G", f.G_root, f.G, d_out)):
+                if root is not None:
+                    _check_root(f"client {cid}, layer {layer!r}: root of factor {what}", root, mat, size)
     return layers
+
+
+def _check_root(where: str, root: np.ndarray, mat: np.ndarray, size: int) -> None:
+    """A root given with its factor must be ``(size, r)``, finite, and reproduce it (``root
+    root^T = mat`` up to ``1e-6`` of its largest entry)."""
+    r = np.asarray(root, dtype=np.float64)
+    if r.ndim != 2 or r.shape[0] != size:
+        raise ValueError(f"{where} has shape {r.shape}, expected ({size}, rank)")
+    if not np.all(np.isfinite(r)):
+        raise ValueError(f"{where} has NaN or infinite values")
+    m = np.asarray(mat, dtype=np.float64)
+    scale = float(np.max(np.abs(m))) if m.size else 0.0
+    if m.size and float(np.max(np.abs(r @ r.T - m))) > 1e-6 * max(scale, np.finfo(np.float64).tiny):
+        raise ValueError(f"{where} does not reproduce the factor (root @ root.T differs from it)")
+
+
+def kfac_plan(d_out: int, d_in: int, rank_a: int | None, rank_g: int | None) -> tuple[str, bool]:
+    """How one client's ``G dW A`` (``dW``: ``d_out x d_in``) is cheapest to apply, counting
+    multiply-adds, given the ranks of the roots known (``None``: only the dense factor).
+
+    - ``"dense"``: ``(G dW) A``: ``d_out^2 d_in + d_out d_in^2``;
+    - ``"A"``: ``Z = dW L_A``, ``Y = G Z``, ``G dW A = Y L_A^T``: ``2 d_out d_in r_A`` plus
+      ``G Z``, itself ``d_out^2 r_A`` dense or ``2 d_out r_G r_A`` through ``L_G``;
+    - ``"G"``: ``Z = L_G^T dW``, ``Y = Z A``, ``G dW A = L_G Y``: ``2 d_out d_in r_G`` plus
+      ``Z A``, ``d_in^2 r_G`` dense or ``2 d_in r_A r_G`` through ``L_A``.
+
+    In the last two the quadratic form ``<dW, G dW A>`` is ``<Z, Y>``.
+
+    Parameters
+    ----------
+    d_out, d_in : int
+        Shape of the layer matrix ``[W b]``.
+    rank_a, rank_g : int or None
+        Columns of the roots ``L_A`` (``d_in x r_A``) and ``L_G`` (``d_out x r_G``), ``None``
+        when not known.
+
+    Returns
+    -------
+    tuple of (str, bool)
+        ``("dense" | "A" | "G", whether the other side is applied through its root too)``.
+
+    Examples
+    --------
+    >>> kfac_plan(512, 1601, 486, 486), kfac_plan(512, 1601, None, None), kfac_plan(10, 129, 129, 10)
+    (('A', False), ('dense', False), ('dense', False))
+    """
+    best = (d_out * d_out * d_in + d_out * d_in * d_in, ("dense", False))
+    if rank_a is not None:
+        inner = [(d_out * d_out * rank_a, False)] + ([(2 * d_out * rank_g * rank_a, True)] if rank_g is not None else [])
+        cost, root = min(inner)
+        best = min(best, (2 * d_out * d_in * rank_a + cost, ("A", root)))
+    if rank_g is not None:
+        inner = [(d_in * d_in * rank_g, False)] + ([(2 * d_in * rank_a * rank_g, True)] if rank_a is not None else [])
+        cost, root = min(inner)
+        best = min(best, (2 * d_out * d_in * rank_g + cost, ("G", root)))
+    return best[1]
+
+
+def _stacked_roots(roots: Sequence[np.ndarray | None], size: int) -> np.ndarray | None:
+    """Every client's ``(size, r_k)`` root, zero-padded to one ``(K, size, max r_k)`` stack (zero
+    columns leave ``L L^T`` unchanged); ``None`` when a client has none."""
+    if any(r is None for r in roots):
+        return None
+    arrays = [np.asarray(r, dtype=np.float64) for r in roots]
+    if any(r.ndim != 2 or r.shape[0] != size for r in arrays):
+        return None
+    out = np.zeros((len(arrays), size, max(r.shape[1] for r in arrays)))
+    for k, r in enumerate(arrays):
+        out[k, :, :r.shape[1]] = r
+    return out
+
+
+class _KFACLayer:
+    """One factored layer's client data on the device and how a step applies it (:func:`kfac_plan`).
+
+    ``wk``: ``(K, d_out, d_in)`` client matrices; the factors as the plan needs them: dense
+    ``a`` / ``g`` (``(K, n, n)``) or roots ``la`` (``(K, d_in, r_A)``) / ``lg`` (``(K, d_out,
+    r_G)``), plus the transposed roots stacked for the one GEMM that sums the clients' terms.
+    """
+
+    def __init__(self, wk: torch.Tensor, a: np.ndarray, g: np.ndarray, la: np.ndarray | None,
+                 lg: np.ndarray | None, to: Callable[[np.ndarray], torch.Tensor]) -> None:
+        k, d_out, d_in = wk.shape
+        self.wk = wk
+        self.plan = kfac_plan(d_out, d_in, None if la is None else la.shape[2], None if lg is None else lg.shape[2])
+        side, inner_root = self.plan
+        use_la = side == "A" or (side == "G" and inner_root)
+        use_lg = side == "G" or (side == "A" and inner_root)
+        self.a = None if use_la else to(a)
+        self.g = None if use_lg else to(g)
+        self.la = to(la) if use_la else None  # type: ignore[arg-type]
+        self.lg = to(lg) if use_lg else None  # type: ignore[arg-type]
+        # The roots' transposes: (K, r, n) for the per-client products, and stacked (K r, n) so
+        # that sum_k Y_k L_k^T is one (d_out, K r) @ (K r, d_in) GEMM.
+        self.la_t = None if self.la is None else self.la.transpose(1, 2).contiguous()
+        self.lg_t = None if self.lg is None else self.lg.transpose(1, 2).contiguous()
+        self.la_stack = None if self.la_t is None else self.la_t.reshape(-1, d_in)
+        self.lg_wide = None if self.lg is None else self.lg.permute(1, 0, 2).reshape(d_out, -1)
+
+    def apply_g(self, z: torch.Tensor) -> torch.Tensor:
+        """``G_k z_k`` for every client."""
+        return torch.matmul(self.g, z) if self.g is not None else torch.matmul(self.lg, torch.matmul(self.lg_t, z))
+
+    def apply_a(self, z: torch.Tensor) -> torch.Tensor:
+        """``z_k A_k`` for every client."""
+        return torch.matmul(z, self.a) if self.a is not None else torch.matmul(torch.matmul(z, self.la), self.la_t)
+
+    def step(self, w: torch.Tensor, cw: torch.Tensor, damping: float,
+             objective: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``sum_k c_k (G_k dW_k A_k + damping dW_k)`` and (when asked) ``sum_k c_k <dW_k, that>``."""
+        delta = w.unsqueeze(0) - self.wk  # (K, d_out, d_in)
+        side, _ = self.plan
+        if side == "dense":  # the dense products of one client at a time, as FedFisher's code
+            p = torch.matmul(torch.matmul(self.g, delta), self.a)
+            if damping:
+                p = p + damping * delta
+            return torch.sum(cw * p, dim=0), torch.sum(cw * delta * p) if objective else None
+        if side == "A":
+            z = torch.matmul(delta, self.la)  # (K, d_out, r_A)
+            y = self.apply_g(z)
+            weighted = cw * y
+            grad = weighted.permute(1, 0, 2).reshape(w.shape[0], -1) @ self.la_stack
+        else:
+            z = torch.matmul(self.lg_t, delta)  # (K, r_G, d_in)
+            y = self.apply_a(z)
+            weighted = cw * y
+            grad = self.lg_wide @ weighted.reshape(-1, w.shape[1])
+        obj = torch.sum(z * weighted) if objective else None
+        if damping:
+            scaled = cw * delta
+            grad = grad + damping * torch.sum(scaled, dim=0)
+            if objective:
+                obj = obj + damping * torch.sum(scaled * delta)
+        return grad, obj
 
 
 def fedfisher_kfac(
@@ -389,6 +538,7 @@ def fedfisher_kfac(
     dtype: torch.dtype = torch.float32,
     client_ids: Sequence[str] | None = None,
     checked: bool = False,
+    low_rank: bool = True,
 ) -> FedFisherResult:
     """FedFisher with K-FAC Fishers (one Kronecker-factored block per layer).
 
@@ -402,11 +552,18 @@ def fedfisher_kfac(
         Client state dicts (dequantized uploads).
     factors : sequence of mapping of str to KFACFactors
         Per client, ``{module name: KFACFactors}`` (dequantized; same layers for every
-        client), as returned by :func:`fedfiot_flwr.curvature.kfac_factors`.
+        client), as returned by :func:`fedfiot_flwr.curvature.kfac_factors` or decoded from an
+        upload (then with their low-rank roots).
     num_examples : sequence of int
         Local data-set sizes.
     steps, lr, eval_every, evaluate, fisher_scaling, damping, optimizer, device, dtype, client_ids, checked
         As in :func:`fedfisher_diag`.
+    low_rank : bool
+        Where every client's factor of a layer side carries its root (``KFACFactors.A_root`` /
+        ``G_root``; decoded uploads do), apply the roots instead of the dense factors when
+        :func:`kfac_plan` counts fewer multiply-adds (for the paper's CNN at FedAvg's upload
+        size: the first fully connected layer's input side). The same objective and gradient
+        up to float rounding; ``False``: dense factors only.
 
     Returns
     -------
@@ -416,8 +573,9 @@ def fedfisher_kfac(
     ------
     ValueError
         On inconsistent models, differing layer sets, factor shapes that do not fit the
-        layer (``A``: ``d_in (+1 with a bias)``, ``G``: ``d_out``), non-finite factors or bad
-        optimisation settings; the message names the client and layer.
+        layer (``A``: ``d_in (+1 with a bias)``, ``G``: ``d_out``), non-finite factors, roots
+        that do not reproduce their factor, or bad optimisation settings; the message names
+        the client and layer.
     """
     t0 = time.perf_counter()
     ids = check_clients(models, num_examples, client_ids, checked=checked)
@@ -430,28 +588,27 @@ def fedfisher_kfac(
     def t(x: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(x, dtype=np.float64), device=dev).to(dtype)
 
-    stacked: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    stacked: dict[str, _KFACLayer] = {}
     start: dict[str, torch.Tensor] = {}
     for layer in layers:
         f0 = factors[0][layer]
         wk = np.stack([layer_matrix(m[f0.weight], None if f0.bias is None else m[f0.bias]) for m in models])
         a = np.stack([np.asarray(f[layer].A) for f in factors])
         g = np.stack([np.asarray(f[layer].G) for f in factors])
-        stacked[layer] = (t(wk), t(a), t(g))
+        la = _stacked_roots([f[layer].A_root for f in factors], a.shape[1]) if low_rank else None
+        lg = _stacked_roots([f[layer].G_root for f in factors], g.shape[1]) if low_rank else None
+        stacked[layer] = _KFACLayer(t(wk), a, g, la, lg, t)
         start[layer] = t(layer_matrix(init[f0.weight], None if f0.bias is None else init[f0.bias]))
 
     cw = c.view(-1, 1, 1)
 
-    def gradient(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def gradient(w: dict[str, torch.Tensor], objective: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         grads: dict[str, torch.Tensor] = {}
-        obj = torch.zeros((), dtype=dtype, device=dev)
-        for layer, (wk, a, g) in stacked.items():
-            delta = w[layer].unsqueeze(0) - wk  # (K, d_out, d_in)
-            p = torch.matmul(torch.matmul(g, delta), a)
-            if damping:
-                p = p + damping * delta
-            grads[layer] = torch.sum(cw * p, dim=0)
-            obj = obj + torch.sum(cw * delta * p)
+        obj = torch.zeros((), dtype=dtype, device=dev) if objective else None
+        for layer, terms in stacked.items():
+            grads[layer], part = terms.step(w[layer], cw, damping, objective)
+            if objective:
+                obj = obj + part
         return grads, obj
 
     def to_model(w: dict[str, torch.Tensor]) -> Model:

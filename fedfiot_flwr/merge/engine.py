@@ -15,8 +15,10 @@ The objective is the paper's (see README). Decisions where the paper leaves room
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,7 @@ from .backend import get_backend
 from .certify import assign_with_hint
 from .costs import ClientLayers, assign
 from .dtypes import cast_average
+from .parallel import check_lap_threads, lap_workers, solve_in_order
 from .reuse import AlignmentMemo, AlignmentTail, permutations_digest
 from .prepared import FISHER_SCALINGS, PreparedClients, as_prepared, fisher_scale_factors, scaled_fisher
 from .spec import PermutationSpec, permute_tensor
@@ -209,6 +212,7 @@ def _align_permutation(
     start: Sequence[np.ndarray] | None = None,
     memo: AlignmentMemo | None = None,
     memo_key: tuple | None = None,
+    lap_threads: int | None = 1,
 ) -> tuple[list[np.ndarray], PermutationReport]:
     """Alternating minimisation for one permutation (Algorithm 1's inner loop): for each
     iteration, build every client's cost matrix against ``w``, assign exactly, aggregate.
@@ -226,7 +230,39 @@ def _align_permutation(
     With ``memo`` (and ``memo_key`` naming the layer's data and options), a cold start looks up
     its first iteration's assignment: when another merge reached the same one, the remaining
     iterations are taken from it (bit-identical: they depend on nothing else).
+
+    Within an iteration the clients' assignment problems are independent given ``w``: with
+    ``lap_threads`` resolving to more than one thread (:func:`~fedfiot_flwr.merge.parallel.lap_workers`)
+    they are solved in a thread pool while the next cost matrix is built, and handed back in
+    client order (:func:`~fedfiot_flwr.merge.parallel.solve_in_order`): bit-identical.
     """
+    workers = lap_workers(lap_threads, size, clients.n_clients, lap_solver)
+    with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        return _alternate(size, clients, ref_layer, matching=matching, aggregation=aggregation, sizes=sizes,
+                          max_iters=max_iters, lap_solver=lap_solver, certify=certify, ref_client=ref_client,
+                          start=start, memo=memo, memo_key=memo_key, pool=pool, in_flight=workers)
+
+
+def _alternate(
+    size: int,
+    clients: ClientLayers,
+    ref_layer: np.ndarray,
+    *,
+    matching: str,
+    aggregation: str,
+    sizes: Sequence[float] | None,
+    max_iters: int,
+    lap_solver: str,
+    certify: bool,
+    ref_client: int | None,
+    start: Sequence[np.ndarray] | None,
+    memo: AlignmentMemo | None,
+    memo_key: tuple | None,
+    pool: ThreadPoolExecutor | None,
+    in_flight: int,
+) -> tuple[list[np.ndarray], PermutationReport]:
+    """:func:`_align_permutation`'s loop, with the clients' assignments solved in ``pool``
+    (``None``: in this thread)."""
     identity = np.arange(size)
     rows = np.arange(size)
     w = ref_layer
@@ -252,11 +288,11 @@ def _align_permutation(
             skip = {ref_client}
         if matching == "fisher":
             new, chosen, diagonal = [], 0.0, 0.0
-            for k, cost in enumerate(clients.fisher_costs(w, skip)):
+            for cost, p in solve_in_order(clients.fisher_costs(w, skip), current, solve, pool, in_flight):
                 if cost is None:  # the reference against itself: the identity, at zero cost
                     new.append(identity)
                     continue
-                new.append(solve(cost, current[k]))
+                new.append(p)
                 # J(w, pi) is the sum of the chosen Fisher costs: no second pass over the weights.
                 chosen += float(cost[rows, new[-1]].sum())
                 diagonal += float(np.trace(cost))
@@ -265,7 +301,7 @@ def _align_permutation(
         else:
             if s == 1:
                 report.initial_objective = _objective_from_moments(w, *clients.moments(current), clients.const)
-            new = [solve(cost, hint) for cost, hint in zip(clients.euclidean_costs(w), current)]
+            new = [p for _, p in solve_in_order(clients.euclidean_costs(w), current, solve, pool, in_flight)]
         unchanged = (s > 1 or start is not None) and all(np.array_equal(a, b) for a, b in zip(new, current))
         if matching != "fisher" and unchanged:
             chosen = report.objectives[-1] if report.objectives else _objective_from_moments(
@@ -387,6 +423,7 @@ def merge(
     stack_bytes: int = 2**31,
     certify: bool = False,
     initial_perms: Mapping[str, Sequence[np.ndarray]] | None = None,
+    lap_threads: int | None = None,
 ) -> MergeResult:
     """Merge client models with FedFiOT's alternating Fisher-weighted alignment and aggregation.
 
@@ -452,6 +489,13 @@ def merge(
         the merge of the clients aligned by ``initial_perms`` rather than from the reference, and
         stops after one step when they are already a fixed point. Not the paper's algorithm: it can
         reach a different fixed point than a cold start (see :mod:`fedfiot_flwr.server.warm_starts`).
+    lap_threads : int, optional
+        Threads that solve one inner iteration's K assignment problems of a layer concurrently
+        (they are independent given the current global layer; :mod:`fedfiot_flwr.merge.parallel`).
+        ``None`` (default): one per core, at most K, for layers of at least 256 neurons
+        when the solver releases the GIL (scipy's; not LAPJV's), one thread otherwise. An integer:
+        that many threads (at most K) for every layer; ``1``: sequential. Bit-identical whatever
+        the setting: results are collected in client order.
 
     Returns
     -------
@@ -477,6 +521,7 @@ def merge(
     start = time.perf_counter()
     check_options(lam, rho, max_iters, matching, aggregation, fallback)
     check_speed_options(cost_dtype, backend, lap_solver)
+    check_lap_threads(lap_threads)
     # A one-off merge tempers each tensor when it reads it (no cache: peak memory stays near the
     # per-layer stack); a sweep prepares once and caches the tempered Fishers.
     clients = as_prepared(models, fishers, buffers=buffers, num_examples=num_examples, client_ids=client_ids,
@@ -523,7 +568,7 @@ def merge(
             m, layer, ref_layer,
             matching=matching, aggregation=aggregation, sizes=sizes, max_iters=max_iters, lap_solver=lap_solver,
             certify=certify, ref_client=ref_index, start=None if initial_perms is None else initial_perms.get(perm),
-            memo=clients.alignments, memo_key=memo_key,
+            memo=clients.alignments, memo_key=memo_key, lap_threads=lap_threads,
         )
         del layer
         for pk, p in zip(perms, found):

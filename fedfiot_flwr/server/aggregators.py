@@ -229,6 +229,7 @@ class FedFiOTAggregator:
             lap_solver=cfg.lap_solver,
             certify=cfg.certify,
             broadcast_in_round_one=cfg.broadcast_in_round_one,
+            lap_threads=cfg.lap_threads,
         )
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:

@@ -239,6 +239,7 @@ def merge_round(
     certify: bool = False,
     warm_start: bool = False,
     broadcast_in_round_one: bool = False,
+    lap_threads: int | None = None,
 ) -> MergeOutcome:
     """Merge one round's valid uploads, selecting on validation data when possible.
 
@@ -299,6 +300,9 @@ def merge_round(
         Offer ``reference="broadcast"`` in round 1 too, where the broadcast model is the
         initialisation: meaningful when every client started from it (a shared initialisation).
         Off: round 1 aligns to the largest client, as the paper does.
+    lap_threads : int, optional
+        Threads solving one alignment step's client assignments concurrently (bit-identical;
+        ``None``: automatic, see :func:`fedfiot_flwr.merge.merge`).
 
     Every candidate merges the same uploads, so the sweep shares its work: the uploads are
     prepared once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
@@ -326,7 +330,8 @@ def merge_round(
     fishers = uploads.fishers if fisher_cap is None else cap_fishers(uploads.fishers, fisher_cap)
     clients = prepare_clients(uploads.weights, fishers, buffers=buffers, num_examples=uploads.num_examples,
                               client_ids=uploads.client_ids, checked=True)
-    speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver, "certify": certify}
+    speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver, "certify": certify,
+             "lap_threads": lap_threads}
     starts = WarmStarts() if warm_start and matching != "none" else None
     validated = _CachedValidation(validate) if validate is not None else None
     maximize = higher_is_better(metric)

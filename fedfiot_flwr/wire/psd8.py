@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedfiot_flwr.psd import CompressedPSD, InputGram, KFACFactors, compress_psd, decompress_psd, rank_for_budget
+from fedfiot_flwr.psd import CompressedPSD, InputGram, KFACFactors, compress_psd, psd_root, rank_for_budget
 from fedfiot_flwr.reply_limits import MAX_CURVATURE_MAGNITUDE, check_magnitude
 from fedfiot_flwr.wire.q16 import pack_reply, unpack_reply
 from fedfiot_flwr.wire.records import (
@@ -137,8 +137,9 @@ def pack_gram_reply(
     return _pack(state, num_examples, metrics, "gram", "none", layers, rank)
 
 
-def _decode_psd(client: str, key: str, arr: Array) -> np.ndarray:
-    """One factor, rebuilt to a dense ``n x n`` matrix and checked against its bound."""
+def _decode_psd(client: str, key: str, arr: Array) -> tuple[np.ndarray, np.ndarray]:
+    """One factor, rebuilt to a dense ``n x n`` matrix and checked against its bound; and its
+    ``(n, r)`` root (the dense matrix is ``root @ root.T``)."""
     where = f"client {client}: factor {key!r}"
     if not isinstance(arr, Array) or arr.stype != STYPE_PSD8 or arr.dtype != "int8":
         raise ValueError(f"{where}: expected an int8 Array with stype {STYPE_PSD8!r}")
@@ -151,13 +152,14 @@ def _decode_psd(client: str, key: str, arr: Array) -> np.ndarray:
     scales = np.frombuffer(arr.data, dtype="<f4", count=r).astype(np.float32)
     codes = np.frombuffer(arr.data, dtype=np.int8, offset=4 * r).reshape(n, r)
     try:
-        mat = decompress_psd(CompressedPSD(codes, scales), name=key)
+        root = psd_root(CompressedPSD(codes, scales), name=key)
     except ValueError as err:
         raise ValueError(f"client {client}: {err}") from err
+    mat = root @ root.T
     # A PSD matrix has no entry larger than its largest diagonal one (Cauchy-Schwarz); float32
     # scales keep every product finite in float64, so this bounds the whole factor.
     check_magnitude(float(mat.diagonal().max()) if n else 0.0, MAX_CURVATURE_MAGNITUDE, where)
-    return mat
+    return mat, root
 
 
 def unpack_curvature_reply(
@@ -234,16 +236,16 @@ def unpack_curvature_reply(
             raise ValueError(f"client {client}: RegMean layer {module!r} has a {w.ndim}-D weight, expected a Linear one")
         sizes = {"A": int(np.prod(w.shape[1:])) + (bias is not None), "G": int(w.shape[0])}
         sizes["gram"] = sizes["A"]
-        mats = {}
+        mats, roots = {}, {}
         for what in names:
             key = f"{FACTOR_PREFIX}{module}/{what}"
-            mat = _decode_psd(client, key, arrays[key])
+            mat, roots[what] = _decode_psd(client, key, arrays[key])
             if mat.shape[0] != sizes[what]:
                 raise ValueError(f"client {client}: factor {key!r} is {mat.shape[0]}x{mat.shape[0]}, "
                                  f"expected {sizes[what]}x{sizes[what]} for tensor {wname!r}")
             mats[what] = mat
         if method == "kfac":
-            factors[module] = KFACFactors(wname, bias, mats["A"], mats["G"])
+            factors[module] = KFACFactors(wname, bias, mats["A"], mats["G"], A_root=roots["A"], G_root=roots["G"])
         else:
             grams[module] = InputGram(wname, bias, mats["gram"])
     return CurvatureUpload(

@@ -94,7 +94,8 @@ class CurvatureUpload:
     rank : int or None
         The shared rank cap the client used (``None``: full rank).
     factors : dict[str, KFACFactors]
-        K-FAC factors per module (dense, rebuilt from the 8-bit low-rank codes).
+        K-FAC factors per module (dense, rebuilt from the 8-bit low-rank codes, which they also
+        carry as ``A_root`` / ``G_root``).
     grams : dict[str, InputGram]
         RegMean Grams per module (dense, rebuilt).
     metrics : dict[str, float]
