@@ -55,7 +55,12 @@ WIDE_VARIANTS = {
     "exact": ("float64 costs, scipy (the paper preset's path)", {}),
     "certify": ("float64 costs, scipy, certify (the default preset's path)", {"certify": True}),
     "f32-certify": ("float32 costs, scipy, certify", {"cost_dtype": "float32", "certify": True}),
+    "lapjv-avx": ("float64 costs, the lapjv package's LAPJV", {"lap_solver": "lapjv-avx"}),
+    "f32-lapjv-avx-certify": ("float32 costs, the lapjv package's LAPJV, certify",
+                              {"cost_dtype": "float32", "lap_solver": "lapjv-avx", "certify": True}),
 }
+EXACT = "exact"
+"""The variant every other one's permutations are compared with (the paper preset's path, one thread)."""
 
 
 def wide_layer(m: int, d: int, k: int, repeats: int, variants: list[str]) -> list[dict[str, Any]]:
@@ -67,7 +72,8 @@ def wide_layer(m: int, d: int, k: int, repeats: int, variants: list[str]) -> lis
     fishers = [{n: rng.exponential(size=v.shape).astype(np.float32) for n, v in mk.items()} for mk in models]
     opts = {"max_iters": 8, "reference": 0, "fallback": "none"}
     records = []
-    for name in variants:
+    exact_perms: list[np.ndarray] | None = None
+    for name in [EXACT, *(v for v in variants if v != EXACT)]:
         label, extra = WIDE_VARIANTS[name]
         threads = lap_workers(None, m, k, extra.get("lap_solver", "scipy"))
         runs: dict[str, list[tuple[float, float]]] = {"sequential": [], "threaded": []}
@@ -81,6 +87,8 @@ def wide_layer(m: int, d: int, k: int, repeats: int, variants: list[str]) -> lis
                 print(f"m={m} {name} {mode}: {wall:.2f} s wall, {cpu:.2f} s CPU", flush=True)
             load.append(_load())
         seq, par = results["sequential"], results["threaded"]
+        if name == EXACT:
+            exact_perms = seq.permutations["P"]
         same = (all(np.array_equal(a, b) for a, b in zip(seq.permutations["P"], par.permutations["P"]))
                 and all(np.array_equal(seq.model[n], par.model[n]) for n in seq.model)
                 and seq.objective == par.objective)
@@ -91,9 +99,11 @@ def wide_layer(m: int, d: int, k: int, repeats: int, variants: list[str]) -> lis
             "ratio": best["threaded"][0] / best["sequential"][0],
             "sequential_cpu_s": best["sequential"][1], "threaded_cpu_s": best["threaded"][1],
             "all_runs": runs, "iterations": seq.reports["P"].iterations, "bit_identical": bool(same),
+            "same_permutations_as_exact": bool(exact_perms is not None and all(
+                np.array_equal(a, b) for a, b in zip(exact_perms, par.permutations["P"]))),
             "load_average": [min(load), max(load)],
         })
-    return records
+    return [r for r in records if r["variant"] in variants]
 
 
 def wide_lines(records: list[dict[str, Any]]) -> list[str]:
@@ -104,12 +114,14 @@ def wide_lines(records: list[dict[str, Any]]) -> list[str]:
         "the same merge with the clients' assignments of an alignment step solved one after another "
         "(`lap_threads=1`) and in threads (`lap_threads=None`, automatic: one per core), interleaved "
         "in one process; wall-clock seconds, minimum of the repeats. 'bit-identical': the same "
-        "permutations, model and objective.",
+        "permutations, model and objective as the same variant's sequential run; 'same as exact': the "
+        "threaded run's permutations equal those of the first row of its width (float64 costs, scipy, "
+        "one thread).",
         "",
         "| m | variant | threads | repeats | sequential wall (s) | threaded wall (s) | threaded / sequential "
         "| CPU s sequential / threaded | cores the threaded run got (CPU / wall) | iterations | bit-identical "
-        "| load average during the runs |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| same as exact | load average during the runs |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in records:
         cores = r["threaded_cpu_s"] / r["threaded_wall_s"]
@@ -117,8 +129,13 @@ def wide_lines(records: list[dict[str, Any]]) -> list[str]:
                      f"{r['threaded_wall_s']:.1f} | {r['ratio']:.2f} | {r['sequential_cpu_s']:.1f} / "
                      f"{r['threaded_cpu_s']:.1f} | {cores:.2f} | {r['iterations']} | "
                      f"{'yes' if r['bit_identical'] else 'NO'} | "
+                     f"{_yes_no(r.get('same_permutations_as_exact'))} | "
                      f"{r['load_average'][0]:.1f}-{r['load_average'][1]:.1f} |")
     return lines
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
 
 
 # ------------------------------------------------------------------------------ FedFisher K-FAC
@@ -256,8 +273,11 @@ def main() -> None:
         for i, m in enumerate(args.wide_m):
             repeats = args.wide_repeats[min(i, len(args.wide_repeats) - 1)]
             records += wide_layer(m, 1024, 6, repeats, args.wide_variants)
+        rerun = {(r["m"], r["variant"]) for r in records}
+        kept = [r for r in data.get("wide", {}).get("records", []) if (r["m"], r["variant"]) not in rerun]
         data["wide"] = {"command": command, "machine": machine, "seconds": time.perf_counter() - start,
-                        "records": records}
+                        "records": sorted(kept + records,
+                                          key=lambda r: (r["m"], list(WIDE_VARIANTS).index(r["variant"])))}
     if args.kfac:
         start = time.perf_counter()
         data["kfac"] = {"command": command, "machine": machine, "seconds": time.perf_counter() - start,

@@ -53,7 +53,8 @@ REFERENCES = ("largest", "broadcast")
 """The alignment's starting global model: the largest client or this round's broadcast model (or a client index)."""
 BACKENDS = ("numpy", "torch")
 COST_DTYPES = ("float64", "float32")
-LAP_SOLVERS = ("scipy", "lapjv", "auto")
+LAP_SOLVERS = ("scipy", "lapjv", "lapjv-avx", "auto")
+"""Exact assignment solvers: scipy, the ``lap`` package's LAPJV, the ``lapjv`` package's AVX LAPJV, or the fastest installed."""
 
 # --- the paper's selection grid ----------------------------------------------------------------
 DEFAULT_GRID_RHOS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)

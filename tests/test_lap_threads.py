@@ -21,6 +21,7 @@ from _fedfiot_helpers import client_uploads, packed, reply
 from fedfiot_flwr import FedFiOT, FedFiOTConfig
 from fedfiot_flwr.algorithm import fedfiot_merge
 from fedfiot_flwr.merge import merge, mlp_spec, prepare_clients
+from fedfiot_flwr.merge import lap as lap_module
 from fedfiot_flwr.merge import parallel
 from fedfiot_flwr.merge.parallel import MIN_PARALLEL_SIZE, lap_workers, solve_in_order
 from fedfiot_flwr.server import aggregators
@@ -151,8 +152,12 @@ def test_the_automatic_setting_threads_wide_layers_of_gil_free_solvers_only(monk
     assert lap_workers(None, 4096, 3, "scipy") == 3  # never more than K
     assert lap_workers(None, 4096, 6, "lapjv") == 1  # LAPJV holds the GIL
     assert lap_workers(5, 8, 6, "lapjv") == 5  # an explicit count is honoured
-    monkeypatch.setattr(parallel, "lapjv_available", lambda: True)
+    assert lap_workers(None, 4096, 6, "lapjv-avx") == 4  # the lapjv package releases it
+    only_lap = {"scipy": True, "lapjv": True, "lapjv-avx": False}
+    monkeypatch.setattr(lap_module, "installed", only_lap.__getitem__)
     assert lap_workers(None, 4096, 6, "auto") == 1 and lap_workers(None, 300, 6, "auto") == 4
+    monkeypatch.setattr(lap_module, "installed", lambda solver: True)
+    assert lap_workers(None, 4096, 6, "auto") == 4
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

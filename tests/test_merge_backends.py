@@ -10,7 +10,8 @@ import pytest
 from fedfiot_flwr.merge import cnn_spec, fisher_cost_matrix, merge, prepare_clients
 from fedfiot_flwr.merge.backend import get_backend
 from fedfiot_flwr.merge.costs import ClientLayers, euclidean_cost_matrix
-from fedfiot_flwr.merge.lap import assign, lapjv_available
+from fedfiot_flwr.merge import lap as lap_module
+from fedfiot_flwr.merge.lap import assign, installed, lapjv_available
 
 SHAPES = {"conv1.weight": (6, 2, 3, 3), "conv1.bias": (6,), "conv2.weight": (8, 6, 3, 3), "conv2.bias": (8,),
           "fc1.weight": (12, 8 * 4), "fc1.bias": (12,), "fc2.weight": (5, 12), "fc2.bias": (5,)}
@@ -128,6 +129,46 @@ def test_lapjv_finds_the_same_optimum_as_scipy():
     models, fishers = _clients(seed=5)
     _assert_same(merge(models, fishers, SPEC, num_examples=SIZES),
                  merge(models, fishers, SPEC, num_examples=SIZES, lap_solver="lapjv"))
+
+
+@pytest.mark.skipif(not installed("lapjv-avx"), reason="the optional 'lapjv' package is not installed")
+def test_the_avx_lapjv_finds_scipys_optimum_in_either_precision():
+    rng = np.random.default_rng(6)
+    for m in (1, 5, 60, 600):
+        for dtype in (np.float64, np.float32):
+            cost = rng.random((m, m)).astype(dtype)
+            a, b = assign(cost, "scipy"), assign(cost, "lapjv-avx")
+            assert b.dtype == np.int64 and np.array_equal(a, b)  # continuous costs: a unique optimum
+    # costs 1e-9 apart: only a solver that works in float64 tells them apart
+    base = rng.random((50, 50))
+    fine = base + 1e-9 * rng.random((50, 50))
+    assert np.array_equal(assign(fine, "lapjv-avx"), assign(fine, "scipy"))
+    models, fishers = _clients(seed=5)
+    _assert_same(merge(models, fishers, SPEC, num_examples=SIZES),
+                 merge(models, fishers, SPEC, num_examples=SIZES, lap_solver="lapjv-avx", lap_threads=2))
+
+
+def test_auto_takes_the_fastest_installed_solver_for_wide_layers_only(monkeypatch):
+    present = {"scipy": True, "lapjv": True, "lapjv-avx": True}
+    monkeypatch.setattr(lap_module, "installed", present.__getitem__)
+    assert lap_module.resolve_solver("auto", lap_module.AUTO_MIN_SIZE) == "lapjv-avx"
+    assert lap_module.resolve_solver("auto", lap_module.AUTO_MIN_SIZE - 1) == "scipy"
+    present["lapjv-avx"] = False
+    assert lap_module.resolve_solver("auto", 4096) == "lapjv"
+    present["lapjv"] = False
+    assert lap_module.resolve_solver("auto", 4096) == "scipy"
+
+
+def test_a_lapjv_answer_that_is_not_a_permutation_is_replaced_by_scipys(monkeypatch):
+    class Broken:
+        @staticmethod
+        def lapjv(cost, **kwargs):
+            n = cost.shape[0]
+            return np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.int32), (0.0, None, None)
+
+    monkeypatch.setattr(lap_module, "require", lambda *args: Broken)
+    cost = np.random.default_rng(7).random((30, 30))
+    assert np.array_equal(assign(cost, "lapjv-avx"), assign(cost, "scipy"))
 
 
 def test_bad_speed_options_and_prepared_misuse_are_rejected():

@@ -22,7 +22,7 @@ import numpy as np
 from .lap import assign
 
 # Below these sizes the solver is about as fast as the certificate: solve directly.
-MIN_SIZE = {"scipy": 128, "lapjv": 512, "auto": 512}
+MIN_SIZE = {"scipy": 128, "lapjv": 512, "lapjv-avx": 512, "auto": 512}
 # Relaxation budget: total row-visits, in multiples of m (one full sweep = m rows).
 DEFAULT_MAX_WORK = 6
 # Give up at once when more than this fraction of the columns is improved in the first sweep

@@ -80,7 +80,7 @@ def euclidean_cost_matrices(
 def assign(cost: np.ndarray, solver: str = "scipy") -> np.ndarray:
     """Exact minimum-cost assignment; returns ``p`` with global neuron ``i`` <- client neuron ``p[i]``.
 
-    ``solver`` is scipy's (default) or the optional ``lap`` package's LAPJV; see
+    ``solver`` is scipy's (default) or an optional LAPJV package's; see
     :func:`fedfiot_flwr.merge.lap.assign`.
 
     >>> assign(np.array([[5., 1.], [1., 5.]])).tolist()

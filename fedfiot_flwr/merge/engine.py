@@ -472,8 +472,9 @@ def merge(
         Where cost GEMMs and aggregation gathers run; ``"torch"`` uses ``device``.
     device : str, optional
         torch device for ``backend="torch"``; ``"auto"``: CUDA when available, else the CPU.
-    lap_solver : {"scipy", "lapjv", "auto"}
-        Exact assignment solver (see :func:`fedfiot_flwr.merge.lap.assign`).
+    lap_solver : {"scipy", "lapjv", "lapjv-avx", "auto"}
+        Exact assignment solver (see :func:`fedfiot_flwr.merge.lap.assign`; the LAPJV ones need
+        the ``fast`` extra, ``"auto"`` takes the fastest installed for wide layers).
     stack_bytes : int
         Memory budget of one permutation's stacked client data; above it, clients are streamed
         (reloaded from the uploads on each use: less memory, more time).

@@ -9,8 +9,9 @@ assignments, objectives and merged model are bit-identical to the sequential one
 
 Threads pay only for a solver that releases the GIL while it works: scipy's
 :func:`~scipy.optimize.linear_sum_assignment` does (two 2500 x 2500 problems take half the wall
-time on two threads), the optional ``lap`` package's LAPJV does not (its solves would run one at a
-time). :func:`lap_workers` therefore threads only scipy's problems by default, and only from
+time on two threads), and so does the ``lapjv`` package's (``"lapjv-avx"``); the ``lap`` package's LAPJV
+(``"lapjv"``) does not (its solves would run one at a time). :func:`lap_workers` therefore threads
+only the GIL-free solvers' problems by default, and only from
 :data:`MIN_PARALLEL_SIZE` neurons on, where a solve is long enough to outweigh the hand-off.
 """
 
@@ -23,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .lap import lapjv_available
+from .lap import resolve_solver
 
 __all__ = ["MIN_PARALLEL_SIZE", "check_lap_threads", "lap_workers", "releases_gil", "solve_in_order"]
 
@@ -49,14 +50,10 @@ def releases_gil(solver: str, size: int) -> bool:
     """Whether ``solver`` (as :func:`fedfiot_flwr.merge.lap.assign` resolves it for a
     ``size x size`` matrix) releases the GIL while it solves.
 
-    >>> releases_gil("scipy", 4096), releases_gil("lapjv", 4096)
-    (True, False)
+    >>> releases_gil("scipy", 4096), releases_gil("lapjv", 4096), releases_gil("lapjv-avx", 4096)
+    (True, False, True)
     """
-    if solver == "lapjv":
-        return False
-    if solver == "auto":
-        return not (size >= 512 and lapjv_available())
-    return True
+    return resolve_solver(solver, size) != "lapjv"
 
 
 def lap_workers(lap_threads: int | None, size: int, n_clients: int, solver: str) -> int:
@@ -73,7 +70,7 @@ def lap_workers(lap_threads: int | None, size: int, n_clients: int, solver: str)
         Neurons of the layer (the cost matrices are ``size x size``).
     n_clients : int
         Number of clients ``K`` (one assignment each).
-    solver : {"scipy", "lapjv", "auto"}
+    solver : {"scipy", "lapjv", "lapjv-avx", "auto"}
         The assignment solver.
 
     Returns

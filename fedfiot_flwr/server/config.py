@@ -76,9 +76,10 @@ class FedFiOTConfig:
     cost_dtype : {"float64", "float32"}
         Precision of the alignment's cost matrices (float32: faster, may break near-ties
         differently; the paper's configuration keeps float64).
-    lap_solver : {"scipy", "lapjv", "auto"}
-        Assignment solver (``"lapjv"`` needs the optional ``lap`` package; ``"auto"`` uses it
-        when installed).
+    lap_solver : {"scipy", "lapjv", "lapjv-avx", "auto"}
+        Assignment solver (``"lapjv"``: the optional ``lap`` package; ``"lapjv-avx"``: the
+        optional ``lapjv`` package, GIL-free and about 10x scipy's speed on float32 costs;
+        ``"auto"``: the fastest installed for layers of 512 neurons or more).
     broadcast_in_round_one : bool
         Offer ``reference="broadcast"`` in round 1 too. Round 1's broadcast model is the
         initialisation, which the paper does not match against (round 1 aligns to the largest
