@@ -45,6 +45,7 @@ from benchmarks import harness as H  # noqa: E402
 from benchmarks import server_methods as S  # noqa: E402
 from fedfiot_flwr.baselines import size_weighted_average  # noqa: E402
 from fedfiot_flwr.choose import best_index  # noqa: E402
+from fedfiot_flwr.options import Model  # noqa: E402
 from fedfiot_flwr.refine import RefineOptions, RefinementStage  # noqa: E402
 
 METHODS = ("fedfiot-refined", "fedfiot-refined-unaligned", "fedavg-refined", "regmean-refined",
@@ -58,7 +59,6 @@ LABELS = {
     "fresh-refined": "fresh model + refinement (clients as teachers only)",
     "server-only": "server-only (the 250 fitting labels alone, same recipe)",
 }
-Model = dict[str, np.ndarray]
 
 
 def _fresh(build: Callable[[], torch.nn.Module], seed: int) -> Model:

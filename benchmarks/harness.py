@@ -38,6 +38,7 @@ from fedfiot_flwr.client import ClientRound, train_round
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec, merge
 from fedfiot_flwr.models import permutation_spec
+from fedfiot_flwr.options import Model
 from fedfiot_flwr.server.aggregators import (
     AggregateOutcome,
     FedFiOTAggregator,
@@ -53,7 +54,6 @@ from fedfiot_flwr.task import default_device, evaluate
 
 logger = logging.getLogger("fedfiot_flwr.benchmarks")
 
-Model = dict[str, np.ndarray]
 
 ROOT = Path(__file__).resolve().parent
 CACHE_DIR = ROOT / "cache"

@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
 from benchmarks.merge_speed import cpu_timed  # noqa: E402
 from benchmarks.portable import command_line  # noqa: E402
-from fedfiot_flwr.merge import PermutationSpec, cnn_spec, merge  # noqa: E402
+from fedfiot_flwr.merge import MergeSpeed, PermutationSpec, cnn_spec, merge  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "merge_scale.md"
 CNN_SHAPES = {"conv1.weight": (32, 3, 5, 5), "conv1.bias": (32,), "conv2.weight": (64, 32, 5, 5), "conv2.bias": (64,),
@@ -89,7 +89,7 @@ def clients_section(ks: list[int], baseline_max_k: int, base_merge: Any, repeats
         opts = {"max_iters": 8, "reference": 0}
         run_base = k <= baseline_max_k
         fns = {"new": lambda: merge(models, fishers, spec, **opts),
-               "f32": lambda: merge(models, fishers, spec, cost_dtype="float32", **opts)}
+               "f32": lambda: merge(models, fishers, spec, speed=MergeSpeed(cost_dtype="float32"), **opts)}
         if run_base:
             fns["old"] = lambda: base_merge(models, fishers, spec, **opts)
         runs = best_of(repeats, fns)
@@ -137,13 +137,20 @@ WIDE_VARIANTS = {
 }
 
 
-def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool, names: list[str] | None = None,
-                 repeats: int = 1) -> list[str]:
-    rng = np.random.default_rng(1)
+def wide_layer_uploads(m: int, d: int, k: int, seed: int = 1) -> tuple[PermutationSpec, list, list]:
+    """One hidden layer of ``m`` neurons with ``d`` inputs and 10 outputs: K independent random
+    clients (float32) and exponential Fishers, with its spec (permutation ``"P"``)."""
+    rng = np.random.default_rng(seed)
     spec = PermutationSpec({"w": ("P", None), "b": ("P",), "out": (None, "P")})
     models = [{"w": rng.normal(size=(m, d)).astype(np.float32), "b": rng.normal(size=m).astype(np.float32),
                "out": rng.normal(size=(10, m)).astype(np.float32)} for _ in range(k)]
     fishers = [{n: rng.exponential(size=v.shape).astype(np.float32) for n, v in mk.items()} for mk in models]
+    return spec, models, fishers
+
+
+def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool, names: list[str] | None = None,
+                 repeats: int = 1) -> list[str]:
+    spec, models, fishers = wide_layer_uploads(m, d, k)
     opts = {"max_iters": 8, "reference": 0, "fallback": "none"}
     names = ["exact", *[n for n in (names or list(WIDE_VARIANTS)) if n != "exact"]]
     variants = [WIDE_VARIANTS[n] for n in names]
@@ -155,7 +162,7 @@ def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool, na
     best: dict[str, tuple[float, Any]] = {}
     for _ in range(repeats):  # interleaved; the minimum is kept
         for label, extra in variants:
-            t, res = cpu_timed(lambda: merge(models, fishers, spec, **opts, **extra))
+            t, res = cpu_timed(lambda: merge(models, fishers, spec, speed=MergeSpeed(**extra), **opts))
             best[label] = min(best.get(label, (t, res)), (t, res), key=lambda x: x[0])
             print(label, t, res.objective, flush=True)
     rows += [(label, *best[label]) for label, _ in variants]
@@ -182,7 +189,7 @@ def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool, na
 VGG_CHILD = r"""
 import json, os, sys, threading, time
 import numpy as np, torch, torchvision
-from fedfiot_flwr.merge import merge, spec_from_module
+from fedfiot_flwr.merge import MergeSpeed, merge, spec_from_module
 k, iters = int(sys.argv[1]), int(sys.argv[2])
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
@@ -216,8 +223,8 @@ stop = threading.Event()
 watcher = threading.Thread(target=sample, args=(stop,), daemon=True)
 watcher.start()
 t0, c0 = time.perf_counter(), time.process_time()
-res = merge(models, fishers, spec, reference=0, max_iters=iters, buffers=buffers, cost_dtype="float32",
-            lap_solver="auto", stack_bytes=2**30)
+res = merge(models, fishers, spec, reference=0, max_iters=iters, buffers=buffers,
+            speed=MergeSpeed(cost_dtype="float32", lap_solver="auto", stack_bytes=2**30))
 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
 stop.set(); watcher.join()
 print(json.dumps({"params": params, "uploads": uploads, "rss_before": rss0, "rss_peak": max(peak[0], rss()),
@@ -237,7 +244,7 @@ def vgg_section(k: int, iters: int) -> list[str]:
         f"## A 129M-parameter model: torchvision vgg11_bn, K = {k}, S = {iters}",
         "",
         f"- parameters: {r['params']:,}; uploads held as float16 (their wire format): {r['uploads'] / 1e9:.2f} GB",
-        f"- options: `cost_dtype=\"float32\", lap_solver=\"auto\", stack_bytes=2**30` (wide layers streamed)",
+        f"- options: `MergeSpeed(cost_dtype=\"float32\", lap_solver=\"auto\", stack_bytes=2**30)` (wide layers streamed)",
         f"- peak resident memory of the process during the merge (sampled every 0.2 s): "
         f"{r['rss_peak'] / 1e9:.2f} GB, of which {r['rss_before'] / 1e9:.2f} GB before the merge "
         f"(uploads, torch); merge: {r['cpu']:.0f} CPU s, {r['seconds']:.0f} s wall",

@@ -33,6 +33,7 @@ from benchmarks import harness as H
 from fedfiot_flwr.choose import best_index
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import PermutationSpec
+from fedfiot_flwr.options import Model
 from fedfiot_flwr.refine import RefineOptions
 from fedfiot_flwr.refine.stage import RefinementStage, fold_subsets
 from fedfiot_flwr.server.selection import MergeOutcome
@@ -46,7 +47,6 @@ LABELS = {
     "centralized": "Centralized (union of the clients' data)",
     "fedfiot-refined": "FedFiOT default merge + refine=RefineOptions() (trains on 250 server examples)",
 }
-Model = dict[str, np.ndarray]
 
 
 def fold_loaders(split: FederatedSplit, batch_size: int = 500) -> tuple[DataLoader, DataLoader]:

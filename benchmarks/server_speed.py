@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks import portable
-from fedfiot_flwr.merge import PermutationSpec, merge
+from benchmarks.merge_scale import wide_layer_uploads
+from fedfiot_flwr.merge import MergeSpeed, merge
 from fedfiot_flwr.merge.parallel import lap_workers
 
 RESULTS = Path(__file__).parent / "results"
@@ -65,11 +66,7 @@ EXACT = "exact"
 
 def wide_layer(m: int, d: int, k: int, repeats: int, variants: list[str]) -> list[dict[str, Any]]:
     """Sequential against threaded assignments on one wide layer; one record per variant."""
-    rng = np.random.default_rng(1)
-    spec = PermutationSpec({"w": ("P", None), "b": ("P",), "out": (None, "P")})
-    models = [{"w": rng.normal(size=(m, d)).astype(np.float32), "b": rng.normal(size=m).astype(np.float32),
-               "out": rng.normal(size=(10, m)).astype(np.float32)} for _ in range(k)]
-    fishers = [{n: rng.exponential(size=v.shape).astype(np.float32) for n, v in mk.items()} for mk in models]
+    spec, models, fishers = wide_layer_uploads(m, d, k)
     opts = {"max_iters": 8, "reference": 0, "fallback": "none"}
     records = []
     exact_perms: list[np.ndarray] | None = None
@@ -81,8 +78,8 @@ def wide_layer(m: int, d: int, k: int, repeats: int, variants: list[str]) -> lis
         load = [_load()]
         for _ in range(repeats):  # interleaved; the minimum is kept
             for mode, count in (("sequential", 1), ("threaded", None)):
-                wall, cpu, results[mode] = timed(lambda: merge(models, fishers, spec, lap_threads=count,
-                                                               **opts, **extra))
+                wall, cpu, results[mode] = timed(lambda: merge(models, fishers, spec, **opts,
+                                                               speed=MergeSpeed(lap_threads=count, **extra)))
                 runs[mode].append((wall, cpu))
                 print(f"m={m} {name} {mode}: {wall:.2f} s wall, {cpu:.2f} s CPU", flush=True)
             load.append(_load())

@@ -15,9 +15,10 @@ from typing import NamedTuple
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from fedfiot_flwr.options import ModelView as Model
+
 from .merge.spec import PermutationSpec
 
-Model = Mapping[str, np.ndarray]
 
 
 class FedFiOTResult(NamedTuple):

@@ -11,6 +11,8 @@ here, so a name is spelled once and a default is set once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "MATCHINGS",
     "MERGE_FALLBACKS",
     "Model",
+    "ModelView",
     "PRESETS",
     "REFERENCES",
     "SELECTIONS",
@@ -37,6 +40,8 @@ __all__ = [
 
 Model = dict[str, np.ndarray]
 """A model as the server sees it: ``state_dict`` names to arrays."""
+ModelView = Mapping[str, np.ndarray]
+"""A model a function only reads (any mapping of ``state_dict`` names to arrays)."""
 
 # --- the merge -------------------------------------------------------------------------------
 MATCHINGS = ("fisher", "euclidean", "none")

@@ -18,13 +18,13 @@ from torch import nn
 
 from fedfiot_flwr import algorithm
 from fedfiot_flwr.algorithm import fedfiot_merge
-from fedfiot_flwr.merge import PermutationSpec, apply_permutations, merge, spec_from_module
+from fedfiot_flwr.merge import MergeSpeed, PermutationSpec, apply_permutations, merge, spec_from_module
 from fedfiot_flwr.merge.costs import ClientLayers
 from fedfiot_flwr.models import ResNet20
 
 # The paper's configuration of the engine, with every speed option at its exact setting.
-PAPER = {"matching": "fisher", "aggregation": "fisher", "fallback": "objective", "certify": False,
-         "cost_dtype": "float64", "backend": "numpy", "lap_solver": "scipy"}
+PAPER = {"matching": "fisher", "aggregation": "fisher", "fallback": "objective",
+         "speed": MergeSpeed(certify=False, cost_dtype="float64", backend="numpy", lap_solver="scipy", lap_threads=1)}
 NUM_EXAMPLES = [300, 500, 200]
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from fedfiot_flwr.merge import merge, mlp_spec, prepare_clients
+from fedfiot_flwr.merge import MergeSpeed, merge, mlp_spec, prepare_clients
 from fedfiot_flwr.merge import certify as certify_module
 from fedfiot_flwr.merge.certify import assign_with_hint, certify_assignment
 
@@ -70,16 +70,16 @@ def test_assign_with_hint_returns_the_solvers_optimum():
     assert not hinted and np.array_equal(p, linear_sum_assignment(cost)[1])
 
 
-@pytest.mark.parametrize("noise, opts", [
-    (0.3, {}),
-    (0.3, {"reference": 2, "stack_bytes": 0}),  # streamed clients: the skipped client's GEMM too
-    (None, {}),
-    (None, {"aggregation": "size", "fisher_scaling": "size"}),
-    (None, {"matching": "euclidean", "aggregation": "uniform"}),
+@pytest.mark.parametrize("noise, opts, stack_bytes", [
+    (0.3, {}, 2**31),
+    (0.3, {"reference": 2}, 0),  # streamed clients: the skipped client's GEMM too
+    (None, {}, 2**31),
+    (None, {"aggregation": "size", "fisher_scaling": "size"}, 2**31),
+    (None, {"matching": "euclidean", "aggregation": "uniform"}, 2**31),
 ])
-def test_certified_merge_is_bit_identical_to_the_exact_merge(noise, opts, monkeypatch):
+def test_certified_merge_is_bit_identical_to_the_exact_merge(noise, opts, stack_bytes, monkeypatch):
     models, fishers, _ = _clients(noise=noise)
-    exact = merge(models, fishers, SPEC, num_examples=SIZES, **opts)
+    exact = merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(stack_bytes=stack_bytes), **opts)
     calls = {"solver": 0}
     solve = certify_module.assign
 
@@ -88,7 +88,8 @@ def test_certified_merge_is_bit_identical_to_the_exact_merge(noise, opts, monkey
         return solve(cost, solver)
 
     monkeypatch.setattr(certify_module, "assign", counted)
-    fast = merge(models, fishers, SPEC, num_examples=SIZES, certify=True, **opts)
+    fast = merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(certify=True, stack_bytes=stack_bytes),
+                 **opts)
     _assert_bit_identical(exact, fast)
     assignments = sum(r.iterations for r in exact.reports.values()) * len(models)
     assert calls["solver"] < assignments  # the certificate (or the reference's skip) did replace some solves
@@ -116,8 +117,9 @@ def test_sweep_reuses_alignments_and_aligned_merges_bit_identically():
 
 def test_warm_start_from_a_fixed_point_stops_at_once_with_the_same_merge():
     models, fishers, _ = _clients(seed=4, noise=None)
-    cold = merge(models, fishers, SPEC, num_examples=SIZES, certify=True)
-    warm = merge(models, fishers, SPEC, num_examples=SIZES, certify=True, initial_perms=cold.permutations)
+    cold = merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(certify=True))
+    warm = merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(certify=True),
+                 initial_perms=cold.permutations)
     assert all(r.iterations == 1 for r in warm.reports.values())
     for n in cold.model:
         np.testing.assert_allclose(warm.model[n], cold.model[n], rtol=1e-12, atol=1e-12)
@@ -141,7 +143,7 @@ def test_sweep_options_keep_the_choice_on_a_shared_initialisation():
     kwargs = dict(sweep=grid, validate=validate, fallback="validation", broadcast=base, server_round=2,
                   fedavg_candidate=True)
     exact = merge_round(uploads, SPEC, Candidate(0.5, 1e-4), **kwargs)
-    for options in ({"certify": True}, {"certify": True, "warm_start": True}):
+    for options in ({"speed": MergeSpeed(certify=True)}, {"speed": MergeSpeed(certify=True), "warm_start": True}):
         fast = merge_round(uploads, SPEC, Candidate(0.5, 1e-4), **kwargs, **options)
         assert (fast.candidate, fast.variant) == (exact.candidate, exact.variant)
         assert all(np.array_equal(fast.model[n], exact.model[n]) for n in exact.model)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedfiot_flwr.merge import assign, euclidean_cost_matrix, fisher_cost_matrix
+from fedfiot_flwr.merge import MergeSpeed, assign, euclidean_cost_matrix, fisher_cost_matrix
 
 
 def test_fisher_cost_matches_definition():
@@ -62,7 +62,8 @@ def test_float32_costs_do_not_overflow_on_a_float32_max_fisher(stack_bytes: int)
     # rho = 1 leaves the Fisher at float32's maximum, so f * w overflows a float32 GEMM input
     fishers[0] = {n: (f.astype(np.float64) / f.max() * f32_max).astype(np.float32) for n, f in fishers[0].items()}
     sizes = [n for _, _, n in uploads]
-    runs = {dtype: merge(weights, fishers, SPEC, rho=1.0, num_examples=sizes, cost_dtype=dtype, stack_bytes=stack_bytes)
+    runs = {dtype: merge(weights, fishers, SPEC, rho=1.0, num_examples=sizes,
+                         speed=MergeSpeed(cost_dtype=dtype, stack_bytes=stack_bytes))
             for dtype in ("float64", "float32")}
     for name, value in runs["float32"].model.items():
         assert np.all(np.isfinite(value)), name

@@ -20,7 +20,7 @@ from _fedfiot_helpers import client_uploads, packed, reply
 
 from fedfiot_flwr import FedFiOT, FedFiOTConfig
 from fedfiot_flwr.algorithm import fedfiot_merge
-from fedfiot_flwr.merge import merge, mlp_spec, prepare_clients
+from fedfiot_flwr.merge import MergeSpeed, merge, mlp_spec, prepare_clients
 from fedfiot_flwr.merge import lap as lap_module
 from fedfiot_flwr.merge import parallel
 from fedfiot_flwr.merge.parallel import MIN_PARALLEL_SIZE, lap_workers, solve_in_order
@@ -58,40 +58,42 @@ def _assert_bit_identical(a, b) -> None:
             (s.iterations, s.initial_objective, s.alignment_objectives, s.objectives, s.fraction_permuted), g
 
 
-OPTIONS = [
-    {},
-    {"certify": True},
-    {"certify": True, "reference": 2, "max_iters": 3},
-    {"matching": "euclidean", "aggregation": "uniform"},
-    {"aggregation": "size", "stack_bytes": 0},
-    {"cost_dtype": "float32", "certify": True},
+OPTIONS = [  # (the merge's options, its speed options)
+    ({}, {}),
+    ({}, {"certify": True}),
+    ({"reference": 2, "max_iters": 3}, {"certify": True}),
+    ({"matching": "euclidean", "aggregation": "uniform"}, {}),
+    ({"aggregation": "size"}, {"stack_bytes": 0}),
+    ({}, {"cost_dtype": "float32", "certify": True}),
 ]
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=["fisher", "certify", "certify-ref2-S3", "euclidean", "streamed",
                                                "float32"])
-def test_threaded_assignments_equal_sequential_bit_for_bit(opts: dict) -> None:
+def test_threaded_assignments_equal_sequential_bit_for_bit(opts: tuple[dict, dict]) -> None:
+    options, speed = opts
     models, fishers = _uploads()
-    sequential = merge(models, fishers, SPEC, num_examples=SIZES, lap_threads=1, **opts)
+    sequential = merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(lap_threads=1, **speed), **options)
     assert max(sequential.fraction_permuted) > 0.5  # alignment really permutes
-    counts = (None, 3) if opts.get("stack_bytes") == 0 else (None, 2, 3, 16)  # streaming reloads: slower
+    counts = (None, 3) if speed.get("stack_bytes") == 0 else (None, 2, 3, 16)  # streaming reloads: slower
     for threads in counts:  # None: automatic (threads on the wide layer only)
-        _assert_bit_identical(sequential, merge(models, fishers, SPEC, num_examples=SIZES, lap_threads=threads,
-                                                **opts))
+        _assert_bit_identical(sequential, merge(models, fishers, SPEC, num_examples=SIZES,
+                                                speed=MergeSpeed(lap_threads=threads, **speed), **options))
 
 
 def test_threads_with_a_reference_model_and_prepared_uploads() -> None:
     models, fishers = _uploads(seed=1)
     broadcast = {n: v * 0.5 for n, v in models[3].items()}
     clients = prepare_clients(models, fishers, num_examples=SIZES)
-    sequential = merge(clients, None, SPEC, reference=broadcast, certify=True, lap_threads=1)
-    _assert_bit_identical(sequential, merge(clients, None, SPEC, reference=broadcast, certify=True, lap_threads=4))
+    sequential = merge(clients, None, SPEC, reference=broadcast, speed=MergeSpeed(certify=True, lap_threads=1))
+    _assert_bit_identical(sequential, merge(clients, None, SPEC, reference=broadcast,
+                                            speed=MergeSpeed(certify=True, lap_threads=4)))
 
 
 def test_threaded_engine_equals_the_readable_reference() -> None:
     models, fishers = _uploads(seed=2, k=3)
     ours = fedfiot_merge(models, fishers, SPEC, num_examples=SIZES[:3])
-    fast = merge(models, fishers, SPEC, num_examples=SIZES[:3], lap_threads=3)
+    fast = merge(models, fishers, SPEC, num_examples=SIZES[:3], speed=MergeSpeed(lap_threads=3))
     for n, value in fast.model.items():
         assert np.array_equal(ours.model[n], value), n
     for g, perms in fast.permutations.items():
@@ -164,7 +166,7 @@ def test_the_automatic_setting_threads_wide_layers_of_gil_free_solvers_only(monk
 def test_bad_thread_counts_are_rejected(bad: object) -> None:
     models, fishers = _uploads()
     with pytest.raises(ValueError, match="lap_threads"):
-        merge(models, fishers, SPEC, num_examples=SIZES, lap_threads=bad)
+        MergeSpeed(lap_threads=bad)
     with pytest.raises(ValueError, match="lap_threads"):
         FedFiOTConfig.paper(lap_threads=bad)
 
@@ -174,7 +176,7 @@ def test_the_config_carries_lap_threads_to_the_merge(monkeypatch) -> None:
     real = aggregators.merge_round
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["lap_threads"])
+        seen.append(kwargs["speed"].lap_threads)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(aggregators, "merge_round", spy)

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedfiot_flwr.merge import cnn_spec, fisher_cost_matrix, merge, prepare_clients
+from fedfiot_flwr.merge import MergeSpeed, cnn_spec, fisher_cost_matrix, merge, prepare_clients
 from fedfiot_flwr.merge.backend import get_backend
 from fedfiot_flwr.merge.costs import ClientLayers, euclidean_cost_matrix
 from fedfiot_flwr.merge import lap as lap_module
@@ -63,7 +63,7 @@ def test_prepared_and_streamed_merges_are_bit_identical_to_a_plain_merge(opts):
     prepared = prepare_clients(models, fishers, num_examples=SIZES)
     _assert_same(plain, merge(prepared, None, SPEC, **opts))
     _assert_same(plain, merge(prepared, None, SPEC, **opts))  # second use: cached tempering / identity merge
-    _assert_same(plain, merge(prepared, None, SPEC, stack_bytes=0, **opts))  # clients streamed
+    _assert_same(plain, merge(prepared, None, SPEC, speed=MergeSpeed(stack_bytes=0), **opts))  # clients streamed
     uncached = prepare_clients(models, fishers, num_examples=SIZES, cache_bytes=0)
     _assert_same(plain, merge(uncached, None, SPEC, **opts))
 
@@ -71,17 +71,20 @@ def test_prepared_and_streamed_merges_are_bit_identical_to_a_plain_merge(opts):
 def test_float32_costs_match_float64_on_a_small_problem():
     models, fishers = _clients(seed=1)
     exact = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none")
-    fast = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none", cost_dtype="float32")
+    fast = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none", speed=MergeSpeed(cost_dtype="float32"))
     assert max(exact.fraction_permuted) > 0.5
     _assert_same(exact, fast)  # same assignments, hence the same float64 aggregation
 
 
-@pytest.mark.parametrize("opts", [{}, {"matching": "euclidean", "aggregation": "uniform"}, {"cost_dtype": "float32"}])
-def test_torch_backend_on_cpu_matches_numpy(opts):
+@pytest.mark.parametrize("opts, cost_dtype", [({}, "float64"), ({"matching": "euclidean", "aggregation": "uniform"},
+                                                                 "float64"), ({}, "float32")])
+def test_torch_backend_on_cpu_matches_numpy(opts, cost_dtype):
     pytest.importorskip("torch")
     models, fishers = _clients(seed=2)
-    ref = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none", **opts)
-    out = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none", backend="torch", device="cpu", **opts)
+    ref = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none", speed=MergeSpeed(cost_dtype=cost_dtype),
+                **opts)
+    out = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none",
+                speed=MergeSpeed(cost_dtype=cost_dtype, backend="torch", device="cpu"), **opts)
     _assert_same(ref, out, exact=False)
 
 
@@ -128,7 +131,7 @@ def test_lapjv_finds_the_same_optimum_as_scipy():
         assert np.array_equal(assign(cost.astype(np.float32), "lapjv"), assign(cost.astype(np.float32), "scipy"))
     models, fishers = _clients(seed=5)
     _assert_same(merge(models, fishers, SPEC, num_examples=SIZES),
-                 merge(models, fishers, SPEC, num_examples=SIZES, lap_solver="lapjv"))
+                 merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(lap_solver="lapjv")))
 
 
 @pytest.mark.skipif(not installed("lapjv-avx"), reason="the optional 'lapjv' package is not installed")
@@ -145,7 +148,8 @@ def test_the_avx_lapjv_finds_scipys_optimum_in_either_precision():
     assert np.array_equal(assign(fine, "lapjv-avx"), assign(fine, "scipy"))
     models, fishers = _clients(seed=5)
     _assert_same(merge(models, fishers, SPEC, num_examples=SIZES),
-                 merge(models, fishers, SPEC, num_examples=SIZES, lap_solver="lapjv-avx", lap_threads=2))
+                 merge(models, fishers, SPEC, num_examples=SIZES,
+                       speed=MergeSpeed(lap_solver="lapjv-avx", lap_threads=2)))
 
 
 def test_auto_takes_the_fastest_installed_solver_for_wide_layers_only(monkeypatch):
@@ -174,9 +178,13 @@ def test_a_lapjv_answer_that_is_not_a_permutation_is_replaced_by_scipys(monkeypa
 def test_bad_speed_options_and_prepared_misuse_are_rejected():
     models, fishers = _clients()
     with pytest.raises(ValueError, match="cost_dtype"):
-        merge(models, fishers, SPEC, cost_dtype="float16")
+        MergeSpeed(cost_dtype="float16")
     with pytest.raises(ValueError, match="lap_solver"):
-        merge(models, fishers, SPEC, reference=0, lap_solver="greedy")
+        MergeSpeed(lap_solver="greedy")
+    with pytest.raises(ValueError, match="stack_bytes"):
+        MergeSpeed(stack_bytes=-1)
+    with pytest.raises(TypeError, match="MergeSpeed"):
+        merge(models, fishers, SPEC, speed={"certify": True})
     prepared = prepare_clients(models, fishers, num_examples=SIZES)
     with pytest.raises(ValueError, match="fishers=None"):
         merge(prepared, fishers, SPEC)

@@ -8,7 +8,7 @@ from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
 from _fedfiot_helpers import SHAPES, SPEC, client_uploads, packed, reply
 
 from fedfiot_flwr import FedFiOT, FedFiOTConfig
-from fedfiot_flwr.merge import merge
+from fedfiot_flwr.merge import MergeSpeed, merge
 from fedfiot_flwr.merge.prepared import fisher_scale_factors
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, cap_factors, cap_fishers, weight_shares
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE, fisher_bound_for
@@ -154,7 +154,7 @@ def _float32_max_round(seed: int, attacker: int):  # noqa: ANN202
     return uploads, collected(uploads), collected(inflated)
 
 
-def _merged(up, cap: float | None, **options: str) -> dict[str, np.ndarray]:  # noqa: ANN001
+def _merged(up, cap: float | None, **options: object) -> dict[str, np.ndarray]:  # noqa: ANN001
     # rho = 1: the tempered Fisher stays at float32's maximum unless it is capped
     return merge_round(up, SPEC, Candidate(1.0, 1e-4), max_iters=2, baseline=False, fisher_cap=cap, **options).model
 
@@ -183,13 +183,13 @@ def test_an_aligned_merge_with_a_float32_max_fisher_client_is_finite_in_every_pr
 ) -> None:
     _, _, attacked_up = _float32_max_round(7, 2)
     reference = _merged(attacked_up, DEFAULT_FISHER_CAP)  # float64 costs, NumPy
-    capped = _merged(attacked_up, DEFAULT_FISHER_CAP, cost_dtype=cost_dtype, backend=backend)
+    capped = _merged(attacked_up, DEFAULT_FISHER_CAP, speed=MergeSpeed(cost_dtype=cost_dtype, backend=backend))
     for name, value in capped.items():
         assert np.all(np.isfinite(value)), name
         np.testing.assert_allclose(value, reference[name], rtol=1e-5, atol=1e-6, err_msg=name)
     # without the cap (a direct merge call; a server without the cap excludes the reply) float32
     # costs still do not overflow
-    uncapped = _merged(attacked_up, None, cost_dtype=cost_dtype, backend=backend)
+    uncapped = _merged(attacked_up, None, speed=MergeSpeed(cost_dtype=cost_dtype, backend=backend))
     assert all(np.all(np.isfinite(v)) for v in uncapped.values())
 
 

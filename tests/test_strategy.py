@@ -241,7 +241,8 @@ def test_the_speed_options_reach_the_merge_and_certify_leaves_the_model_unchange
     real = aggregators.merge_round
 
     def spy(*args, **kwargs):
-        seen.append({k: kwargs[k] for k in ("certify", "cost_dtype", "lap_solver")})
+        speed = kwargs["speed"]
+        seen.append({k: getattr(speed, k) for k in ("certify", "cost_dtype", "lap_solver")})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(aggregators, "merge_round", spy)

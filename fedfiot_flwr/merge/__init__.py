@@ -20,6 +20,7 @@ from .engine import FISHER_SCALINGS, MergeResult, PermutationReport, damp_fisher
 from .lap import LAP_SOLVERS
 from .presets import METHODS, method_options
 from .prepared import PreparedClients, prepare_clients
+from .speed import MergeSpeed
 from .spec import (
     AxisPerm,
     Layer,
@@ -39,6 +40,7 @@ __all__ = [
     "Layer",
     "METHODS",
     "MergeResult",
+    "MergeSpeed",
     "PermutationReport",
     "PermutationSpec",
     "PreparedClients",

@@ -24,17 +24,19 @@ from typing import Any
 
 import numpy as np
 
+from fedfiot_flwr.options import ModelView as Model
+
 from .backend import get_backend
 from .certify import assign_with_hint
 from .costs import ClientLayers, assign
 from .dtypes import cast_average
-from .parallel import check_lap_threads, lap_workers, solve_in_order
-from .reuse import AlignmentMemo, AlignmentTail, permutations_digest
+from .parallel import lap_workers, solve_in_order
 from .prepared import FISHER_SCALINGS, PreparedClients, as_prepared, fisher_scale_factors, scaled_fisher
+from .reuse import AlignmentMemo, AlignmentTail, permutations_digest
 from .spec import PermutationSpec, permute_tensor
-from .validate import check_options, check_reference_model, check_speed_options
+from .speed import MergeSpeed
+from .validate import check_options, check_reference_model
 
-Model = Mapping[str, np.ndarray]
 
 
 @dataclass
@@ -206,18 +208,16 @@ def _align_permutation(
     aggregation: str,
     sizes: Sequence[float] | None,
     max_iters: int,
-    lap_solver: str,
-    certify: bool = False,
+    speed: MergeSpeed,
     ref_client: int | None = None,
     start: Sequence[np.ndarray] | None = None,
     memo: AlignmentMemo | None = None,
     memo_key: tuple | None = None,
-    lap_threads: int | None = 1,
 ) -> tuple[list[np.ndarray], PermutationReport]:
     """Alternating minimisation for one permutation (Algorithm 1's inner loop): for each
     iteration, build every client's cost matrix against ``w``, assign exactly, aggregate.
 
-    With ``certify``, each client's assignment is first tried from a hint (its previous
+    With ``speed.certify``, each client's assignment is first tried from a hint (its previous
     assignment; the identity in iteration 1) and the solver runs only when the hint is not
     certified optimal (:mod:`fedfiot_flwr.merge.certify`); and in iteration 1 the reference
     client ``ref_client`` (whose layer is ``w``) keeps the identity without a cost matrix when
@@ -232,14 +232,14 @@ def _align_permutation(
     iterations are taken from it (bit-identical: they depend on nothing else).
 
     Within an iteration the clients' assignment problems are independent given ``w``: with
-    ``lap_threads`` resolving to more than one thread (:func:`~fedfiot_flwr.merge.parallel.lap_workers`)
+    ``speed.lap_threads`` resolving to more than one thread (:func:`~fedfiot_flwr.merge.parallel.lap_workers`)
     they are solved in a thread pool while the next cost matrix is built, and handed back in
     client order (:func:`~fedfiot_flwr.merge.parallel.solve_in_order`): bit-identical.
     """
-    workers = lap_workers(lap_threads, size, clients.n_clients, lap_solver)
+    workers = lap_workers(speed.lap_threads, size, clients.n_clients, speed.lap_solver)
     with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
         return _alternate(size, clients, ref_layer, matching=matching, aggregation=aggregation, sizes=sizes,
-                          max_iters=max_iters, lap_solver=lap_solver, certify=certify, ref_client=ref_client,
+                          max_iters=max_iters, speed=speed, ref_client=ref_client,
                           start=start, memo=memo, memo_key=memo_key, pool=pool, in_flight=workers)
 
 
@@ -252,8 +252,7 @@ def _alternate(
     aggregation: str,
     sizes: Sequence[float] | None,
     max_iters: int,
-    lap_solver: str,
-    certify: bool,
+    speed: MergeSpeed,
     ref_client: int | None,
     start: Sequence[np.ndarray] | None,
     memo: AlignmentMemo | None,
@@ -272,7 +271,9 @@ def _alternate(
     first_key: tuple | None = None  # the memo's key: memo_key and the first iteration's assignment
 
     def solve(cost: np.ndarray, hint: np.ndarray) -> np.ndarray:
-        return assign_with_hint(cost, hint, lap_solver)[0] if certify else assign(cost, lap_solver)
+        if speed.certify:
+            return assign_with_hint(cost, hint, speed.lap_solver)[0]
+        return assign(cost, speed.lap_solver)
 
     def global_layer(perms: list[np.ndarray], num: np.ndarray, den: np.ndarray) -> np.ndarray:
         return num / den if aggregation == "fisher" else clients.average(perms, sizes if aggregation == "size" else None)
@@ -283,7 +284,7 @@ def _alternate(
     for s in range(1, max_iters + 1):
         report.iterations = s
         skip: set[int] = set()
-        if (certify and s == 1 and start is None and ref_client is not None and matching == "fisher"
+        if (speed.certify and s == 1 and start is None and ref_client is not None and matching == "fisher"
                 and _distinct_rows(ref_layer)):
             skip = {ref_client}
         if matching == "fisher":
@@ -416,14 +417,8 @@ def merge(
     client_ids: Sequence[str] | None = None,
     fisher_scaling: str = "none",
     *,
-    cost_dtype: str = "float64",
-    backend: str = "numpy",
-    device: str | None = "auto",
-    lap_solver: str = "scipy",
-    stack_bytes: int = 2**31,
-    certify: bool = False,
+    speed: MergeSpeed | None = None,
     initial_perms: Mapping[str, Sequence[np.ndarray]] | None = None,
-    lap_threads: int | None = None,
 ) -> MergeResult:
     """Merge client models with FedFiOT's alternating Fisher-weighted alignment and aggregation.
 
@@ -465,38 +460,16 @@ def merge(
     fisher_scaling : {"none", "size", "normalized", "normalized-size"}
         Per-client rescaling of the raw Fisher before tempering (see :func:`scale_fishers`);
         ``"none"`` is the paper's eq. 106.
-    cost_dtype : {"float64", "float32"}
-        Precision of the cost-matrix GEMMs (about 2x faster in float32; assignments can differ
-        only between near-equal costs). Aggregation and objectives are always float64.
-    backend : {"numpy", "torch"}
-        Where cost GEMMs and aggregation gathers run; ``"torch"`` uses ``device``.
-    device : str, optional
-        torch device for ``backend="torch"``; ``"auto"``: CUDA when available, else the CPU.
-    lap_solver : {"scipy", "lapjv", "lapjv-avx", "auto"}
-        Exact assignment solver (see :func:`fedfiot_flwr.merge.lap.assign`; the LAPJV ones need
-        the ``fast`` extra, ``"auto"`` takes the fastest installed for wide layers).
-    stack_bytes : int
-        Memory budget of one permutation's stacked client data; above it, clients are streamed
-        (reloaded from the uploads on each use: less memory, more time).
-    certify : bool
-        Try each client's previous assignment (the identity in iteration 1) before the solver and
-        keep it when it is certified optimal (:mod:`fedfiot_flwr.merge.certify`); in iteration 1
-        the reference client keeps the identity without a cost matrix when its neurons are
-        distinct. Exact: a certified assignment is a minimum-cost one, so results can differ
-        from ``certify=False`` only between assignments of equal cost (as two solvers can).
+    speed : MergeSpeed, optional
+        How the merge is computed (cost precision, solver, threads, certified assignments,
+        torch backend, memory budget); :class:`~fedfiot_flwr.merge.speed.MergeSpeed`'s defaults
+        when omitted. None of it changes the algorithm.
     initial_perms : dict[str, list[np.ndarray]], optional
         Warm start: per permutation, per client, the alignment to start from (e.g. another
         candidate's :attr:`MergeResult.permutations`). Each permutation's loop then starts from
         the merge of the clients aligned by ``initial_perms`` rather than from the reference, and
         stops after one step when they are already a fixed point. Not the paper's algorithm: it can
         reach a different fixed point than a cold start (see :mod:`fedfiot_flwr.server.warm_starts`).
-    lap_threads : int, optional
-        Threads that solve one inner iteration's K assignment problems of a layer concurrently
-        (they are independent given the current global layer; :mod:`fedfiot_flwr.merge.parallel`).
-        ``None`` (default): one per core, at most K, for layers of at least 256 neurons
-        when the solver releases the GIL (scipy's; not LAPJV's), one thread otherwise. An integer:
-        that many threads (at most K) for every layer; ``1``: sequential. Bit-identical whatever
-        the setting: results are collected in client order.
 
     Returns
     -------
@@ -521,8 +494,9 @@ def merge(
     """
     start = time.perf_counter()
     check_options(lam, rho, max_iters, matching, aggregation, fallback)
-    check_speed_options(cost_dtype, backend, lap_solver)
-    check_lap_threads(lap_threads)
+    speed = MergeSpeed() if speed is None else speed
+    if not isinstance(speed, MergeSpeed):
+        raise TypeError(f"speed must be a MergeSpeed, got {type(speed).__name__}")
     # A one-off merge tempers each tensor when it reads it (no cache: peak memory stays near the
     # per-layer stack); a sweep prepares once and caches the tempered Fishers.
     clients = as_prepared(models, fishers, buffers=buffers, num_examples=num_examples, client_ids=client_ids,
@@ -537,7 +511,7 @@ def merge(
     ref_index = resolve_reference(reference, num_examples, n_clients)
     if ref_index is None:
         check_reference_model(reference, clients.shapes)  # type: ignore[arg-type]
-    array_backend = get_backend(backend, device)
+    array_backend = get_backend(speed.backend, speed.device)
 
     xs = clients.models
     fs = clients.damped(fisher_scaling, rho, lam)
@@ -559,17 +533,18 @@ def merge(
         layer = ClientLayers(
             _layer_loader(xs, fs, perms, spec, names, m), n_clients,
             keep_layers=matching == "euclidean" or aggregation != "fisher",
-            stack=_stack_bytes(m, ref_layer.shape[1], n_clients, matching, aggregation, cost_dtype) <= stack_bytes,
-            cost_dtype=cost_dtype, backend=array_backend,
+            stack=_stack_bytes(m, ref_layer.shape[1], n_clients, matching, aggregation,
+                               speed.cost_dtype) <= speed.stack_bytes,
+            cost_dtype=speed.cost_dtype, backend=array_backend,
         )
-        memo_key = (fisher_scaling, float(rho), float(lam), matching, aggregation, max_iters, lap_solver, certify,
-                    cost_dtype, array_backend.name, str(array_backend.device), layer.stacked, perm,
+        memo_key = (fisher_scaling, float(rho), float(lam), matching, aggregation, max_iters, speed.lap_solver,
+                    speed.certify, speed.cost_dtype, array_backend.name, str(array_backend.device), layer.stacked, perm,
                     permutations_digest(perms))
         found, reports[perm] = _align_permutation(
             m, layer, ref_layer,
-            matching=matching, aggregation=aggregation, sizes=sizes, max_iters=max_iters, lap_solver=lap_solver,
-            certify=certify, ref_client=ref_index, start=None if initial_perms is None else initial_perms.get(perm),
-            memo=clients.alignments, memo_key=memo_key, lap_threads=lap_threads,
+            matching=matching, aggregation=aggregation, sizes=sizes, max_iters=max_iters, speed=speed,
+            ref_client=ref_index, start=None if initial_perms is None else initial_perms.get(perm),
+            memo=clients.alignments, memo_key=memo_key,
         )
         del layer
         for pk, p in zip(perms, found):

@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from fedfiot_flwr.options import FISHER_SCALINGS
+from fedfiot_flwr.options import ModelView as Model
+
 from .reuse import AlignmentMemo, ModelCache
 from .validate import check_models, check_num_examples
 
-from fedfiot_flwr.options import FISHER_SCALINGS
 
-
-Model = Mapping[str, np.ndarray]
 
 
 def fisher_scale_factors(

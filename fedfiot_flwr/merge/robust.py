@@ -31,9 +31,11 @@ honest-looking Fisher), which is a separate threat addressed by Byzantine-robust
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
+
+from fedfiot_flwr.options import ModelView as Model
 
 from ..reply_limits import MAX_FISHER_MAGNITUDE
 
@@ -45,7 +47,6 @@ mean and in largest entry). Measured in ``benchmarks/results/fisher_inflation*.m
 points lost to a 1e3, 1e6 or float32-maximum inflation of any one client on digits and
 Fashion-MNIST, where ``c = 2`` lost 8 points on Fashion-MNIST (1e3)."""
 
-Model = Mapping[str, np.ndarray]
 
 
 def cap_factors(

@@ -225,11 +225,8 @@ class FedFiOTAggregator:
             baseline=cfg.fedavg_candidate and validate is not None,
             fedavg_candidate=cfg.fedavg_candidate,
             fisher_cap=cfg.fisher_cap,
-            cost_dtype=cfg.cost_dtype,
-            lap_solver=cfg.lap_solver,
-            certify=cfg.certify,
+            speed=cfg.speed,
             broadcast_in_round_one=cfg.broadcast_in_round_one,
-            lap_threads=cfg.lap_threads,
         )
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:

@@ -26,10 +26,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from fedfiot_flwr.merge import FISHER_SCALINGS
-from fedfiot_flwr.merge.parallel import check_lap_threads
+from fedfiot_flwr.merge import FISHER_SCALINGS, MergeSpeed
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
-from fedfiot_flwr.merge.validate import check_options, check_speed_options
+from fedfiot_flwr.merge.validate import check_options
 from fedfiot_flwr.options import REFERENCES, SELECTIONS
 from fedfiot_flwr.server.selection import SweepGrid
 
@@ -112,8 +111,7 @@ class FedFiOTConfig:
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
-        check_speed_options(self.cost_dtype, "numpy", self.lap_solver)
-        check_lap_threads(self.lap_threads)
+        self.speed  # validates the speed options
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if not (isinstance(self.reference, int) or self.reference in REFERENCES):
@@ -124,6 +122,12 @@ class FedFiOTConfig:
             object.__setattr__(self, "fisher_cap", None)
         if self.fisher_cap is not None and not self.fisher_cap >= 1:
             raise ValueError(f"fisher_cap must be >= 1, or 0 / None for no cap, got {self.fisher_cap!r}")
+
+    @property
+    def speed(self) -> MergeSpeed:
+        """The merge engine's execution options of this configuration (validated on access)."""
+        return MergeSpeed(cost_dtype=self.cost_dtype, lap_solver=self.lap_solver, lap_threads=self.lap_threads,
+                          certify=self.certify)
 
     @classmethod
     def paper(cls, **changes: Any) -> FedFiOTConfig:

@@ -21,7 +21,7 @@ import numpy as np
 
 from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.choose import BestSoFar, beats, higher_is_better
-from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, PermutationSpec, merge, prepare_clients
+from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, MergeSpeed, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.merge.robust import cap_fishers
 from fedfiot_flwr.server.warm_starts import WarmStarts
 from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_REFERENCES, DEFAULT_GRID_RHOS, REFERENCES, SELECTIONS
@@ -233,13 +233,9 @@ def merge_round(
     baseline: bool = True,
     fedavg_candidate: bool = False,
     fisher_cap: float | None = None,
-    cost_dtype: str = "float64",
-    backend: str = "numpy",
-    lap_solver: str = "scipy",
-    certify: bool = False,
+    speed: MergeSpeed | None = None,
     warm_start: bool = False,
     broadcast_in_round_one: bool = False,
-    lap_threads: int | None = None,
 ) -> MergeOutcome:
     """Merge one round's valid uploads, selecting on validation data when possible.
 
@@ -285,12 +281,9 @@ def merge_round(
         Fisher may then be uploaded (the reply bounds do not apply, see
         :func:`fedfiot_flwr.reply_limits.fisher_bound_for`). ``None``: the Fishers as uploaded (the
         paper), which the reply bounds keep within ``MAX_FISHER_MAGNITUDE``.
-    cost_dtype, backend, lap_solver
-        Speed options of :func:`fedfiot_flwr.merge.merge` (float32 cost GEMMs, the torch
-        backend on CUDA when available, the optional LAPJV solver).
-    certify : bool
-        Certified warm-started assignments inside each alignment (exact; see
-        :func:`fedfiot_flwr.merge.merge`).
+    speed : MergeSpeed, optional
+        How each merge is computed (:class:`fedfiot_flwr.merge.MergeSpeed`; its defaults when
+        omitted): float32 costs, solver, threads, certified assignments, torch backend.
     warm_start : bool
         Start each candidate's alignment from its nearest already-merged neighbour's (same
         reference and scaling, one grid step away; :mod:`fedfiot_flwr.server.warm_starts`).
@@ -300,9 +293,6 @@ def merge_round(
         Offer ``reference="broadcast"`` in round 1 too, where the broadcast model is the
         initialisation: meaningful when every client started from it (a shared initialisation).
         Off: round 1 aligns to the largest client, as the paper does.
-    lap_threads : int, optional
-        Threads solving one alignment step's client assignments concurrently (bit-identical;
-        ``None``: automatic, see :func:`fedfiot_flwr.merge.merge`).
 
     Every candidate merges the same uploads, so the sweep shares its work: the uploads are
     prepared once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
@@ -330,8 +320,6 @@ def merge_round(
     fishers = uploads.fishers if fisher_cap is None else cap_fishers(uploads.fishers, fisher_cap)
     clients = prepare_clients(uploads.weights, fishers, buffers=buffers, num_examples=uploads.num_examples,
                               client_ids=uploads.client_ids, checked=True)
-    speed = {"cost_dtype": cost_dtype, "backend": backend, "lap_solver": lap_solver, "certify": certify,
-             "lap_threads": lap_threads}
     starts = WarmStarts() if warm_start and matching != "none" else None
     validated = _CachedValidation(validate) if validate is not None else None
     maximize = higher_is_better(metric)
@@ -359,7 +347,7 @@ def merge_round(
             fisher_scaling=cand.fisher_scaling,
             initial_perms=None if starts is None else starts.nearest(cand.reference, cand.fisher_scaling,
                                                                      cand.rho, cand.lam),
-            **speed,
+            speed=speed,
         )
         if starts is not None:
             starts.add(cand.reference, cand.fisher_scaling, cand.rho, cand.lam, res.permutations)
