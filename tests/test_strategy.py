@@ -263,6 +263,19 @@ def test_the_speed_options_reach_the_merge_and_certify_leaves_the_model_unchange
         assert seen[-1]["certify"] is certify, preset
     with pytest.raises(ValueError, match="cost_dtype"):
         FedFiOTConfig.default(cost_dtype="float16")
+    with pytest.raises(ValueError, match="backend"):
+        FedFiOTConfig.paper(backend="jax")
+
+
+def test_the_torch_backend_chosen_in_the_config_merges_like_numpy() -> None:
+    pytest.importorskip("torch")
+    replies = _replies(client_uploads(4, seed=3))
+    merged = {}
+    for backend in ("numpy", "torch"):
+        config = FedFiOTConfig.paper(sweep=None, max_iters=4, backend=backend)
+        merged[backend] = arrays_to_numpy(FedFiOT(spec=SPEC, config=config).aggregate_train(1, replies)[0])
+    for k in SHAPES:
+        np.testing.assert_allclose(merged["torch"][k], merged["numpy"][k], rtol=1e-6, atol=1e-7)
 
 
 def test_recorded_start_runs_rounds_writes_results_and_checkpoints(tmp_path) -> None:

@@ -79,6 +79,9 @@ class FedFiOTConfig:
         Assignment solver (``"lapjv"``: the optional ``lap`` package; ``"lapjv-avx"``: the
         optional ``lapjv`` package, GIL-free and about 10x scipy's speed on float32 costs;
         ``"auto"``: the fastest installed for layers of 512 neurons or more).
+    backend : {"numpy", "torch"}
+        Where the merge's cost GEMMs and gathers run; ``"torch"``: on CUDA when available (the
+        assignment stays on the CPU; equal to numpy to float rounding).
     broadcast_in_round_one : bool
         Offer ``reference="broadcast"`` in round 1 too. Round 1's broadcast model is the
         initialisation, which the paper does not match against (round 1 aligns to the largest
@@ -108,6 +111,7 @@ class FedFiOTConfig:
     lap_solver: str = "scipy"
     broadcast_in_round_one: bool = False
     lap_threads: int | None = None
+    backend: str = "numpy"
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
@@ -127,7 +131,7 @@ class FedFiOTConfig:
     def speed(self) -> MergeSpeed:
         """The merge engine's execution options of this configuration (validated on access)."""
         return MergeSpeed(cost_dtype=self.cost_dtype, lap_solver=self.lap_solver, lap_threads=self.lap_threads,
-                          certify=self.certify)
+                          certify=self.certify, backend=self.backend)
 
     @classmethod
     def paper(cls, **changes: Any) -> FedFiOTConfig:
