@@ -11,7 +11,6 @@ Run with ``flwr run .`` (see the README); every knob is a ``[tool.flwr.app.confi
 from __future__ import annotations
 
 import json
-import time
 from logging import INFO
 from typing import Any
 
@@ -26,6 +25,7 @@ from fedfiot_flwr.batches import default_device
 from fedfiot_flwr.models import permutation_spec
 from fedfiot_flwr.refine import RefineOptions
 from fedfiot_flwr.server import FedFiOT, FedFiOTConfig, FedFisherStrategy, MergeStrategy, RegMeanStrategy, RunRecorder
+from fedfiot_flwr.server.nodes import NodeWaiter
 from fedfiot_flwr.server.selection import SweepGrid
 from fedfiot_flwr.task import evaluate
 
@@ -43,38 +43,6 @@ def _evaluator(cfg: AppConfig, model: torch.nn.Module, loader: DataLoader, devic
     return fn
 
 
-def _wait_for_nodes(grid: Grid, needed: int, timeout_s: float) -> int:
-    """Wait until ``needed`` SuperNodes are connected; return how many are."""
-    deadline = time.monotonic() + timeout_s
-    while (n := len(list(grid.get_node_ids()))) < needed and time.monotonic() < deadline:
-        time.sleep(1.0)
-    return n
-
-
-def _wait_for_federation(grid: Grid, timeout_s: float, settle_s: float, poll_s: float = 0.5) -> int:
-    """Wait for the first SuperNode, then until the connected set is stable; return its size.
-
-    The set of node ids must stay unchanged for ``settle_s`` seconds (the simulation engine
-    registers all its SuperNodes at once; real SuperNodes may connect one by one). Returns 0
-    if no SuperNode connected within ``timeout_s``; a set that keeps changing is taken as it is
-    ``timeout_s + settle_s`` seconds after the start.
-    """
-    start = time.monotonic()
-    seen = set(grid.get_node_ids())
-    while not seen and time.monotonic() - start < timeout_s:
-        time.sleep(poll_s)
-        seen = set(grid.get_node_ids())
-    if not seen:
-        return 0
-    stable_since = time.monotonic()
-    while time.monotonic() - stable_since < settle_s and time.monotonic() - start < timeout_s + settle_s:
-        time.sleep(min(poll_s, settle_s))
-        now = set(grid.get_node_ids())
-        if now != seen:
-            seen, stable_since = now, time.monotonic()
-    return len(seen)
-
-
 def _resolve_federation(grid: Grid, cfg: AppConfig) -> AppConfig:
     """``cfg`` once its SuperNodes are connected, with K = their number if ``num-partitions = 0``.
 
@@ -85,7 +53,7 @@ def _resolve_federation(grid: Grid, cfg: AppConfig) -> AppConfig:
         ``node-wait-s``; the run's results file is marked failed with the same message.
     """
     if cfg.num_partitions == 0:
-        connected = _wait_for_federation(grid, cfg.node_wait_s, cfg.node_settle_s)
+        connected = NodeWaiter(cfg.node_wait_s, poll_s=0.5).wait_for_stable_set(grid, cfg.node_settle_s)
         if connected > 0:
             log(INFO, "num-partitions = 0: K = %d, the number of connected SuperNodes", connected)
             return cfg.with_partitions(connected)
@@ -94,7 +62,7 @@ def _resolve_federation(grid: Grid, cfg: AppConfig) -> AppConfig:
             'connected SuperNodes); start SuperNodes with --node-config "partition-id=<i> num-partitions=<K>"'
         )
     else:
-        connected = _wait_for_nodes(grid, cfg.num_partitions, cfg.node_wait_s)
+        connected = NodeWaiter(cfg.node_wait_s).wait(grid, cfg.num_partitions, cfg.num_partitions)
         if connected >= cfg.num_partitions:
             return cfg
         msg = (

@@ -186,3 +186,34 @@ def test_a_supernode_killed_in_round_1_does_not_stop_the_run(tmp_path: Path) -> 
     assert data["final"]["test"]["accuracy"] > data["initial_test"]["accuracy"], (data["final"], data["initial_test"])
     assert (tmp_path / "results" / "loss" / "checkpoints" / "final.pt").exists()
     assert app_snapshot() == before
+
+
+class JoiningGrid:
+    """A grid whose nodes connect at given times of a :class:`FakeClock`."""
+
+    def __init__(self, clock: FakeClock, joins: dict[int, float]) -> None:
+        self.clock, self.joins = clock, joins
+
+    def get_node_ids(self) -> list[int]:
+        return [n for n, t in self.joins.items() if t <= self.clock.now]
+
+
+@pytest.mark.parametrize("joins, expected", [
+    ({11: 2.0, 12: 2.0, 13: 2.0}, 3),  # all at once (the simulation engine)
+    ({11: 1.0, 12: 3.0, 13: 4.5}, 3),  # one by one, each within the settle time of the last
+    ({11: 1.0, 12: 3.0, 13: 9.0}, 2),  # the third joins after the set stayed unchanged for settle_s
+    ({}, 0),  # nobody within the timeout
+])
+def test_the_federation_is_taken_once_its_node_set_stays_unchanged(joins: dict[int, float], expected: int) -> None:
+    clock = FakeClock()
+    waiter = NodeWaiter(timeout_s=5.0, poll_s=0.5, clock=clock.monotonic, sleep=clock.sleep)
+    assert waiter.wait_for_stable_set(JoiningGrid(clock, joins), settle_s=2.0) == expected
+    assert clock.now <= 5.0 + 2.0 + 0.5  # bounded: the timeout plus the settle time
+
+
+def test_a_set_that_keeps_changing_is_taken_as_it_is_after_the_timeout_and_the_settle_time() -> None:
+    clock = FakeClock()
+    waiter = NodeWaiter(timeout_s=3.0, poll_s=0.5, clock=clock.monotonic, sleep=clock.sleep)
+    joins = {n: 0.4 * n for n in range(1, 100)}  # a new node every 0.4 s
+    connected = waiter.wait_for_stable_set(JoiningGrid(clock, joins), settle_s=1.0)
+    assert 0 < connected < 99 and clock.now == pytest.approx(4.0, abs=0.5)

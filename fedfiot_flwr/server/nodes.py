@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -79,6 +80,31 @@ class NodeWaiter:
         if len(connected) < wanted:
             self.settled = frozenset(connected)
         return len(connected)
+
+    def wait_for_stable_set(self, grid: Any, settle_s: float) -> int:
+        """Wait up to ``timeout_s`` for a first node, then until the connected set is stable; return its size.
+
+        The set of node ids must stay unchanged for ``settle_s`` seconds (the simulation engine
+        registers all its SuperNodes at once; real SuperNodes may connect one by one). Returns 0
+        if no node connected within ``timeout_s``; a set that keeps changing is taken as it is
+        ``timeout_s + settle_s`` seconds after the start. ``timeout_s=None`` waits for the first
+        node without a bound.
+        """
+        start = self.clock()
+        limit = math.inf if self.timeout_s is None else self.timeout_s
+        seen = _connected(grid)
+        while not seen and self.clock() - start < limit:
+            self.sleep(self.poll_s)
+            seen = _connected(grid)
+        if not seen:
+            return 0
+        stable_since = self.clock()
+        while self.clock() - stable_since < settle_s and self.clock() - start < limit + settle_s:
+            self.sleep(min(self.poll_s, settle_s))
+            now = _connected(grid)
+            if now != seen:
+                seen, stable_since = now, self.clock()
+        return len(seen)
 
     def _can_go_on(self, connected: set[int], wanted: int, needed: int) -> bool:
         """Whether ``wanted`` nodes are connected, or every node missing was already waited for."""
