@@ -238,100 +238,78 @@ def _align_permutation(
     """
     workers = lap_workers(speed.lap_threads, size, clients.n_clients, speed.lap_solver)
     with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
-        return _alternate(size, clients, ref_layer, matching=matching, aggregation=aggregation, sizes=sizes,
-                          max_iters=max_iters, speed=speed, ref_client=ref_client,
-                          start=start, memo=memo, memo_key=memo_key, pool=pool, in_flight=workers)
+        identity = np.arange(size)
+        rows = np.arange(size)
+        w = ref_layer
+        report = PermutationReport(size, 0, float("nan"))
+        current = [identity] * clients.n_clients
+        use_memo = start is None and memo is not None and memo_key is not None
+        first_key: tuple | None = None  # the memo's key: memo_key and the first iteration's assignment
 
+        def solve(cost: np.ndarray, hint: np.ndarray) -> np.ndarray:
+            if speed.certify:
+                return assign_with_hint(cost, hint, speed.lap_solver)[0]
+            return assign(cost, speed.lap_solver)
 
-def _alternate(
-    size: int,
-    clients: ClientLayers,
-    ref_layer: np.ndarray,
-    *,
-    matching: str,
-    aggregation: str,
-    sizes: Sequence[float] | None,
-    max_iters: int,
-    speed: MergeSpeed,
-    ref_client: int | None,
-    start: Sequence[np.ndarray] | None,
-    memo: AlignmentMemo | None,
-    memo_key: tuple | None,
-    pool: ThreadPoolExecutor | None,
-    in_flight: int,
-) -> tuple[list[np.ndarray], PermutationReport]:
-    """:func:`_align_permutation`'s loop, with the clients' assignments solved in ``pool``
-    (``None``: in this thread)."""
-    identity = np.arange(size)
-    rows = np.arange(size)
-    w = ref_layer
-    report = PermutationReport(size, 0, float("nan"))
-    current = [identity] * clients.n_clients
-    use_memo = start is None and memo is not None and memo_key is not None
-    first_key: tuple | None = None  # the memo's key: memo_key and the first iteration's assignment
+        def global_layer(perms: list[np.ndarray], num: np.ndarray, den: np.ndarray) -> np.ndarray:
+            if aggregation == "fisher":
+                return num / den
+            return clients.average(perms, sizes if aggregation == "size" else None)
 
-    def solve(cost: np.ndarray, hint: np.ndarray) -> np.ndarray:
-        if speed.certify:
-            return assign_with_hint(cost, hint, speed.lap_solver)[0]
-        return assign(cost, speed.lap_solver)
-
-    def global_layer(perms: list[np.ndarray], num: np.ndarray, den: np.ndarray) -> np.ndarray:
-        return num / den if aggregation == "fisher" else clients.average(perms, sizes if aggregation == "size" else None)
-
-    if start is not None:
-        current = [np.asarray(p, dtype=np.int64) for p in start]
-        w = global_layer(current, *clients.moments(current))
-    for s in range(1, max_iters + 1):
-        report.iterations = s
-        skip: set[int] = set()
-        if (speed.certify and s == 1 and start is None and ref_client is not None and matching == "fisher"
-                and _distinct_rows(ref_layer)):
-            skip = {ref_client}
-        if matching == "fisher":
-            new, chosen, diagonal = [], 0.0, 0.0
-            for cost, p in solve_in_order(clients.fisher_costs(w, skip), current, solve, pool, in_flight):
-                if cost is None:  # the reference against itself: the identity, at zero cost
-                    new.append(identity)
-                    continue
-                new.append(p)
-                # J(w, pi) is the sum of the chosen Fisher costs: no second pass over the weights.
-                chosen += float(cost[rows, new[-1]].sum())
-                diagonal += float(np.trace(cost))
-            if s == 1:  # J(w[0], I): the identity alignments' costs
-                report.initial_objective = diagonal
-        else:
-            if s == 1:
-                report.initial_objective = _objective_from_moments(w, *clients.moments(current), clients.const)
-            new = [p for _, p in solve_in_order(clients.euclidean_costs(w), current, solve, pool, in_flight)]
-        unchanged = (s > 1 or start is not None) and all(np.array_equal(a, b) for a, b in zip(new, current))
-        if matching != "fisher" and unchanged:
-            chosen = report.objectives[-1] if report.objectives else _objective_from_moments(
-                w, *clients.moments(current), clients.const)
-        if unchanged:
-            report.alignment_objectives.append(chosen)
-            report.objectives.append(chosen)
-            break
-        current = new
-        num, den = clients.moments(new)
-        if matching != "fisher":
-            report.alignment_objectives.append(_objective_from_moments(w, num, den, clients.const))
-        else:
-            report.alignment_objectives.append(chosen)
-        w = global_layer(new, num, den)
-        report.objectives.append(_objective_from_moments(w, num, den, clients.const))
-        if s == 1 and use_memo:
-            first_key = (*memo_key, permutations_digest(new))  # type: ignore[misc]
-            tail = memo.get(first_key)  # type: ignore[union-attr]
-            if tail is not None:
-                current, report.iterations = list(tail.perms), tail.iterations
-                report.alignment_objectives += tail.alignment_objectives
-                report.objectives += tail.objectives
+        if start is not None:
+            current = [np.asarray(p, dtype=np.int64) for p in start]
+            w = global_layer(current, *clients.moments(current))
+        for s in range(1, max_iters + 1):
+            report.iterations = s
+            skip: set[int] = set()
+            if (speed.certify and s == 1 and start is None and ref_client is not None and matching == "fisher"
+                    and _distinct_rows(ref_layer)):
+                skip = {ref_client}
+            if matching == "fisher":
+                new, chosen, diagonal = [], 0.0, 0.0
+                for cost, p in solve_in_order(clients.fisher_costs(w, skip), current, solve, pool, workers):
+                    if cost is None:  # the reference against itself: the identity, at zero cost
+                        new.append(identity)
+                        continue
+                    new.append(p)
+                    # J(w, pi) is the sum of the chosen Fisher costs: no second pass over the weights.
+                    chosen += float(cost[rows, new[-1]].sum())
+                    diagonal += float(np.trace(cost))
+                if s == 1:  # J(w[0], I): the identity alignments' costs
+                    report.initial_objective = diagonal
+            else:
+                if s == 1:
+                    report.initial_objective = _objective_from_moments(w, *clients.moments(current), clients.const)
+                new = [p for _, p in solve_in_order(clients.euclidean_costs(w), current, solve, pool, workers)]
+            unchanged = (s > 1 or start is not None) and all(np.array_equal(a, b) for a, b in zip(new, current))
+            if matching != "fisher" and unchanged:
+                chosen = report.objectives[-1] if report.objectives else _objective_from_moments(
+                    w, *clients.moments(current), clients.const)
+            if unchanged:
+                report.alignment_objectives.append(chosen)
+                report.objectives.append(chosen)
                 break
-    if first_key is not None and report.iterations > 1 and first_key not in memo.tails:  # type: ignore[union-attr]
-        memo.put(first_key, AlignmentTail(list(current), report.iterations,  # type: ignore[union-attr]
-                                          report.alignment_objectives[1:], report.objectives[1:]))
-    report.fraction_permuted = [float(np.mean(p != identity)) for p in current]
-    return current, report
+            current = new
+            num, den = clients.moments(new)
+            if matching != "fisher":
+                report.alignment_objectives.append(_objective_from_moments(w, num, den, clients.const))
+            else:
+                report.alignment_objectives.append(chosen)
+            w = global_layer(new, num, den)
+            report.objectives.append(_objective_from_moments(w, num, den, clients.const))
+            if s == 1 and use_memo:
+                first_key = (*memo_key, permutations_digest(new))  # type: ignore[misc]
+                tail = memo.get(first_key)  # type: ignore[union-attr]
+                if tail is not None:
+                    current, report.iterations = list(tail.perms), tail.iterations
+                    report.alignment_objectives += tail.alignment_objectives
+                    report.objectives += tail.objectives
+                    break
+        if first_key is not None and report.iterations > 1 and first_key not in memo.tails:  # type: ignore[union-attr]
+            memo.put(first_key, AlignmentTail(list(current), report.iterations,  # type: ignore[union-attr]
+                                              report.alignment_objectives[1:], report.objectives[1:]))
+        report.fraction_permuted = [float(np.mean(p != identity)) for p in current]
+        return current, report
 
 
 def _distinct_rows(layer: np.ndarray) -> bool:
