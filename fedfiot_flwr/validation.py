@@ -9,7 +9,8 @@ a framework-neutral ``validate_fn``: ``model dict (name -> np.ndarray) -> metric
     strategy = FedFiOT(model=Net(), validate_fn=validate_fn)
 
 The function it returns holds the loader's examples once as tensors on the device and scores them
-in fixed chunks of ``chunk_size`` examples. Besides ``validate_fn(model)`` it offers
+in fixed chunks of ``chunk_size`` examples, hardest first: on its first call it orders the fold by
+that model's errors and per-example loss, once and for all (``hard_first``). Besides ``validate_fn(model)`` it offers
 ``validate_fn.validate_bounded(model, metric, threshold, maximize)``, which the sweep of
 :func:`fedfiot_flwr.server.selection.merge_round` uses to stop scoring a candidate as soon as it
 provably cannot beat ``threshold`` (an exact race: the chosen model and its metrics are those of a
@@ -40,16 +41,24 @@ DEFAULT_CHUNK_SIZE = 50
 Chunk = tuple[torch.Tensor, torch.Tensor]
 
 
-def _cached_chunks(loader: Iterable[Any], device: torch.device, chunk_size: int | None) -> list[Chunk]:
-    """The loader's examples on ``device``, re-cut into chunks of ``chunk_size`` (``None``: its own batches)."""
+def _read_fold(loader: Iterable[Any], device: torch.device) -> list[Chunk]:
+    """The loader's ``(inputs, labels)`` batches, on ``device``."""
     batches = [split_batch(b) for b in loader]
     if not batches:
         raise ValueError("make_validate_fn: the loader yielded no examples")
-    same_shape = len({tuple(x.shape[1:]) for x, _ in batches}) == 1
-    if chunk_size is None or not same_shape:  # examples of different shapes cannot share a tensor
-        return [(x.to(device), y.to(device)) for x, y in batches]
-    xs = torch.cat([x for x, _ in batches]).to(device)
-    ys = torch.cat([y for _, y in batches]).to(device)
+    return [(x.to(device), y.to(device)) for x, y in batches]
+
+
+def _rechunk(batches: list[Chunk], chunk_size: int | None, order: torch.Tensor | None = None) -> list[Chunk]:
+    """``batches`` as one fold taken in ``order`` (default: as given), cut into chunks of ``chunk_size``.
+
+    ``chunk_size=None`` or examples of different shapes (they cannot share a tensor): the batches as given.
+    """
+    if chunk_size is None or len({tuple(x.shape[1:]) for x, _ in batches}) != 1:
+        return batches
+    xs, ys = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+    if order is not None:
+        xs, ys = xs[order.to(xs.device)], ys[order.to(ys.device)]
     return list(zip(torch.split(xs, chunk_size), torch.split(ys, chunk_size)))
 
 
@@ -90,30 +99,58 @@ class SelectionScorer:
     device : torch.device or str, optional
         Where to evaluate (default: CUDA when available).
     chunk_size : int, optional
-        Examples per forward pass (``None``: the loader's own batches).
+        Examples per forward pass (``None``: the loader's own batches, in its order).
+    hard_first : bool
+        On the first call, order the fold by that model: its errors first, each group by
+        per-example cross-entropy, highest first; and keep that order: a race then meets a poor
+        candidate's errors early.
 
     Calling it gives ``{"accuracy", "loss"}`` (mean cross-entropy) on the whole fold; the same
     chunks, in the same order, are summed by :meth:`validate_bounded`, so a model it scores to the
-    end gets bit-identical metrics.
+    end gets bit-identical metrics. The order is fixed once, before the first metrics are returned.
     """
 
     def __init__(self, model: nn.Module, loader: Iterable[Any], device: torch.device | str | None = None,
-                 chunk_size: int | None = DEFAULT_CHUNK_SIZE) -> None:
+                 chunk_size: int | None = DEFAULT_CHUNK_SIZE, hard_first: bool = True) -> None:
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
         self.model = model
         self.loader = loader
         self.device = resolve_device(device)
         self.chunk_size = chunk_size
+        self.hard_first = hard_first
         self._chunks: list[Chunk] | None = None
         self._total = 0
 
-    def chunks(self) -> list[Chunk]:
-        """The fold's ``(inputs, labels)`` chunks on the device (read from the loader on first use)."""
+    def chunks(self, weights: Mapping[str, np.ndarray] | None = None) -> list[Chunk]:
+        """The fold's ``(inputs, labels)`` chunks on the device, fixed on first use.
+
+        On first use the loader is read; with ``hard_first`` and ``weights`` (the first model
+        scored), the fold is ordered by that model's errors first, each group by per-example loss,
+        highest first.
+        """
         if self._chunks is None:
-            self._chunks = _cached_chunks(self.loader, self.device, self.chunk_size)
+            batches = _read_fold(self.loader, self.device)
+            order = None
+            if self.hard_first and weights is not None and self.chunk_size is not None:
+                self._load(weights)
+                losses, hits = (torch.cat(t).cpu() for t in zip(*(self._losses(x, y) for x, y in batches)))
+                order = torch.argsort(-losses, stable=True)
+                order = order[torch.argsort(hits[order].to(torch.int8), stable=True)]  # its errors first
+            self._chunks = _rechunk(batches, self.chunk_size, order)
             self._total = sum(int(y.shape[0]) for _, y in self._chunks)
         return self._chunks
+
+    def _losses(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-example cross-entropy and hits of the loaded model, in eval mode."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                logits = self.model(x)
+                return F.cross_entropy(logits, y, reduction="none"), logits.argmax(1) == y
+        finally:
+            self.model.train(was_training)
 
     def _load(self, weights: Mapping[str, np.ndarray]) -> None:
         state = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()}
@@ -123,7 +160,7 @@ class SelectionScorer:
     def _scan(self, weights: Mapping[str, np.ndarray],
               stop: Callable[[int, float, int, int], bool] | None) -> dict[str, float] | None:
         """Score chunk after chunk; ``None`` as soon as ``stop(correct, loss_sum, seen, total)`` holds."""
-        chunks = self.chunks()
+        chunks = self.chunks(weights)
         self._load(weights)
         was_training = self.model.training
         self.model.eval()
@@ -181,7 +218,7 @@ class SelectionScorer:
 
 def make_validate_fn(
     model: nn.Module, loader: Iterable[Any], device: torch.device | str | None = None,
-    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE, hard_first: bool = True,
 ) -> SelectionScorer:
     """A ``validate_fn`` that loads a model dict into ``model`` and scores it on ``loader``.
 
@@ -197,7 +234,11 @@ def make_validate_fn(
         Where to evaluate (default: CUDA when available).
     chunk_size : int, optional
         Examples per forward pass, the granularity at which the sweep's race can stop scoring a
-        candidate that cannot be chosen (``None``: the loader's own batches).
+        candidate that cannot be chosen (``None``: the loader's own batches, in its order).
+    hard_first : bool
+        Order the fold once, on the first call, by that model's errors first and per-example loss,
+        highest first (with ``chunk_size``): the race then cuts a poor candidate after fewer examples. Every
+        model is scored on the same fixed chunks afterwards; ``False``: the loader's order.
 
     Returns
     -------
@@ -205,4 +246,4 @@ def make_validate_fn(
         ``model dict -> {"accuracy": ..., "loss": ...}`` (mean cross-entropy), with
         :meth:`SelectionScorer.validate_bounded` for the sweep.
     """
-    return SelectionScorer(model, loader, device, chunk_size)
+    return SelectionScorer(model, loader, device, chunk_size, hard_first)

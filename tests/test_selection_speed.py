@@ -175,3 +175,33 @@ def test_an_unbounded_metric_is_scored_in_full() -> None:
     scorer = make_validate_fn(Net(), loader, "cpu", chunk_size=10)
     weights = _state(Net())
     assert scorer.validate_bounded(weights, "f1", 1.0, True) == scorer(weights)
+
+
+class CountingNet(Net):
+    """``Net`` that counts the examples it is run on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.examples = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.examples += int(x.shape[0])
+        return super().forward(x)
+
+
+def test_hard_first_meets_a_poor_models_errors_early_and_keeps_its_metrics() -> None:
+    uploads, _, loader = _round(10)
+    counted = {}
+    for hard_first in (False, True):
+        net = CountingNet()
+        scorer = make_validate_fn(net, loader, "cpu", chunk_size=10, hard_first=hard_first)
+        fulls = [scorer(w) for w in uploads.weights]
+        assert 0.2 < fulls[0]["accuracy"] < 0.8
+        net.examples = 0
+        # Against its own score the model cannot win: it may be cut once all its errors are seen.
+        out = scorer.validate_bounded(uploads.weights[0], "accuracy", fulls[0]["accuracy"], True)
+        counted[hard_first] = (net.examples, out, fulls)
+    assert counted[True][1] is None  # the first model scored fixed the order: its errors come first
+    assert counted[True][0] < counted[False][0]
+    for a, b in zip(counted[True][2], counted[False][2]):
+        assert a["accuracy"] == b["accuracy"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
