@@ -56,9 +56,10 @@ def _round(seed: int) -> tuple[CollectedUploads, dict[str, np.ndarray], DataLoad
 
 
 def _sweep(uploads: CollectedUploads, base: dict[str, np.ndarray], validate: object, metric: str,
-           race: bool = True):  # noqa: ANN202
+           race: bool = True, fallback: str = "validation"):  # noqa: ANN202
+    """The default preset's sweep (or the paper's identity rule, ``fallback="objective"``, without FedAvg)."""
     return merge_round(uploads, SPEC, Candidate(0.5, 1e-4), sweep=GRID, validate=validate, metric=metric,
-                       fallback="validation", broadcast=base, server_round=2, fedavg_candidate=True,
+                       fallback=fallback, broadcast=base, server_round=2, fedavg_candidate=fallback == "validation",
                        certify=True, race=race)
 
 
@@ -68,12 +69,13 @@ def _same_choice(a, b) -> bool:  # noqa: ANN001
             and all(np.array_equal(a.model[n], b.model[n]) for n in b.model))
 
 
+@pytest.mark.parametrize("fallback", ["validation", "objective"])
 @pytest.mark.parametrize("metric", ["accuracy", "loss"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_race_chooses_what_a_full_scoring_chooses(seed: int, metric: str) -> None:
+def test_the_race_chooses_what_a_full_scoring_chooses(seed: int, metric: str, fallback: str) -> None:
     uploads, base, loader = _round(seed)
-    exact = _sweep(uploads, base, make_validate_fn(Net(), loader, "cpu", chunk_size=8), metric, race=False)
-    raced = _sweep(uploads, base, make_validate_fn(Net(), loader, "cpu", chunk_size=8), metric)
+    exact = _sweep(uploads, base, make_validate_fn(Net(), loader, "cpu", chunk_size=8), metric, False, fallback)
+    raced = _sweep(uploads, base, make_validate_fn(Net(), loader, "cpu", chunk_size=8), metric, True, fallback)
     assert _same_choice(raced, exact)
     assert raced.baseline_validation == exact.baseline_validation
     assert len(raced.trials) == len(exact.trials)
