@@ -13,7 +13,10 @@ for each setting this runs, in one process:
 - the current ``merge_round``: float64 (exact: alignment iterations and aligned merges shared
   between candidates that reach the same state, bit-identical); with certified warm-started
   assignments (``certify=True``); with float32 costs + LAPJV + certify; and with warm starts
-  across candidates (``warm_start=True``, opt-in, not the paper's cold start).
+  across candidates (``warm_start=True``, opt-in, not the paper's cold start); and with the
+  validation of :func:`fedfiot_flwr.validation.make_validate_fn` (the fold kept on the device,
+  scored in chunks, hardest examples first), scored in full (``race=False``) or raced (the
+  default: a candidate stops being scored once it provably cannot be chosen).
 
 It checks that the choices are identical to the baseline's (candidate, variant and the returned
 model's bytes), counts the trials whose validation differs, and writes
@@ -27,6 +30,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import platform
@@ -44,10 +48,12 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
 from benchmarks.portable import command_line  # noqa: E402
+from fedfiot_flwr.merge import MergeSpeed  # noqa: E402
 from fedfiot_flwr.merge.lap import lapjv_available  # noqa: E402
 from fedfiot_flwr.server.config import FedFiOTConfig  # noqa: E402
 from fedfiot_flwr.server.selection import Candidate, merge_round  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
+from fedfiot_flwr.validation import make_validate_fn  # noqa: E402
 
 RESULT = H.RESULTS_DIR / "sweep_cost.md"
 PREVIOUS_REV = "88e66d2"  # shared sweep work, but every candidate aligned from scratch
@@ -59,12 +65,25 @@ class CountingValidator:
     """Wraps a validation function; counts calls and their time."""
 
     def __init__(self, validate: Any) -> None:
-        self.validate, self.calls, self.seconds = validate, 0, 0.0
+        self.validate, self.calls, self.seconds, self.cut = validate, 0, 0.0, 0
 
     def __call__(self, model: Any) -> Any:
         t0 = time.process_time()
         out = self.validate(model)
         self.calls += 1
+        self.seconds += time.process_time() - t0
+        return out
+
+
+class CountingScorer(CountingValidator):
+    """A :class:`CountingValidator` that also offers (and counts) the wrapped scorer's bounded entry."""
+
+    def validate_bounded(self, model: Any, metric: str, threshold: float, maximize: bool) -> Any:
+        """The scorer's ``validate_bounded``; a cut (``None``) is counted in ``cut``."""
+        t0 = time.process_time()
+        out = self.validate.validate_bounded(model, metric, threshold, maximize)
+        self.calls += 1
+        self.cut += out is None
         self.seconds += time.process_time() - t0
         return out
 
@@ -85,7 +104,11 @@ def round_options(config: FedFiOTConfig, uploads: H.Uploads, current: bool) -> d
 def run_sweep(fn: Any, uploads: H.Uploads, spec: Any, buffers: Any, config: FedFiOTConfig, validate: Any,
               current: bool = True, **speed: Any) -> tuple[Any, float, CountingValidator]:
     """One ``merge_round`` (``fn``: the current one or a compared revision's) of ``config``'s sweep, timed."""
-    counter = CountingValidator(validate)
+    if current:  # the current merge_round takes its speed options as one MergeSpeed
+        fields = {f.name for f in dataclasses.fields(MergeSpeed)}
+        speed = {**{k: v for k, v in speed.items() if k not in fields},
+                 "speed": MergeSpeed(**{k: v for k, v in speed.items() if k in fields})}
+    counter = (CountingScorer if hasattr(validate, "validate_bounded") else CountingValidator)(validate)
     default = Candidate(config.rho, config.lam, config.reference, config.fisher_scaling)
     t0 = time.process_time()
     out = fn(uploads.quantized, spec, default, max_iters=config.max_iters, matching=config.matching,
@@ -101,18 +124,31 @@ def same_choice(a: Any, b: Any) -> bool:
             and all(np.array_equal(a.model[n], b.model[n]) for n in a.model))
 
 
-def differing_trials(a: Any, b: Any) -> int:
-    """Trials (in the same order) whose validation metrics differ."""
-    return sum(1 for x, y in zip(a.trials, b.trials) if x["validation"] != y["validation"]) + abs(
-        len(a.trials) - len(b.trials))
+def differing_trials(a: Any, b: Any, metric: str) -> int:
+    """Trials (in the same order) scored in full by both whose selection ``metric`` differs.
+
+    A trial that the race cut (``"validation_cut"``) is reported as cut, not as differing.
+    """
+    def score(t: dict[str, Any]) -> Any:
+        return None if t["validation"] is None else t["validation"].get(metric)
+
+    return sum(1 for x, y in zip(a.trials, b.trials) if not (x.get("validation_cut") or y.get("validation_cut"))
+               and score(x) != score(y)) + abs(len(a.trials) - len(b.trials))
 
 
-VARIANTS = {  # label -> options of the current merge_round
+DEVICE_FOLD = "fold on the device"
+"""Variants scored by :func:`fedfiot_flwr.validation.make_validate_fn` rather than the harness' evaluator."""
+
+VARIANTS = {  # label -> options of the current merge_round (DEVICE_FOLD in the label: make_validate_fn)
     "float64": {},
     "certify": {"certify": True},
     "f32 + LAPJV + certify": {"cost_dtype": "float32", "lap_solver": "lapjv", "certify": True},
     "warm starts (opt-in) + f32 + LAPJV + certify": {"cost_dtype": "float32", "lap_solver": "lapjv",
                                                          "certify": True, "warm_start": True},
+    f"certify + {DEVICE_FOLD}, scored in full": {"certify": True, "race": False},
+    f"certify + {DEVICE_FOLD}, raced (the default)": {"certify": True},
+    f"f32 + LAPJV + certify + {DEVICE_FOLD}, raced": {"cost_dtype": "float32", "lap_solver": "lapjv",
+                                                       "certify": True},
 }
 
 
@@ -124,7 +160,8 @@ def main() -> None:
     parser.add_argument("--baseline-rev", default=DEFAULT_BASELINE_REV)
     parser.add_argument("--previous-rev", default=PREVIOUS_REV)
     parser.add_argument("--out", type=Path, default=RESULT)
-    parser.add_argument("--append", action="store_true", help="keep the rows already in --out")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows already in --out (those of the settings run again are replaced)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # process CPU time then measures the work, whatever else runs on the machine
     base = load_baseline(args.baseline_rev)
@@ -157,13 +194,16 @@ def main() -> None:
             runs = {"shared preparation": run_sweep(prev_round, uploads, spec, buffers, config, ev.validate,
                                                     current=False)}
             for label, options in variants.items():
-                runs[label] = run_sweep(merge_round, uploads, spec, buffers, config, ev.validate, **options)
+                validate = (make_validate_fn(build(), ev.validation, device) if DEVICE_FOLD in label
+                            else ev.validate)  # a fresh scorer: it orders its fold on its first model
+                runs[label] = run_sweep(merge_round, uploads, spec, buffers, config, validate, **options)
             row = {
                 "setting": f"{dataset} ({setting.model}) {init}", "params": sum(x.size for x in up.weights[0].values()),
                 "merge": t_merge, "old": t_old, "val_old": c_old.calls, "trials": len(old.trials),
                 "val_s": c_old.seconds / max(1, c_old.calls),
-                "runs": {label: {"s": t, "val": c.calls, "val_s": c.seconds, "same": same_choice(old, out),
-                                 "differ": differing_trials(old, out)}
+                "runs": {label: {"s": t, "val": c.calls, "cut": c.cut, "val_s": c.seconds,
+                                 "same": same_choice(old, out),
+                                 "differ": differing_trials(old, out, config.selection_metric)}
                          for label, (out, t, c) in runs.items()},
                 "choice": f"{runs['float64'][0].candidate.label()} ({runs['float64'][0].variant})",
             }
@@ -190,8 +230,13 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "- unit: one merge of the default candidate with the baseline engine (\"merges' worth\"; minimum of 3 "
         "after a warm-up call)",
         "- times: process CPU seconds, one thread (numpy and torch): robust to the other jobs on the machine",
+        "- validation: the harness' evaluator (the fold in one batch), or, for the 'fold on the device' rows, "
+        "`make_validate_fn` (the fold kept on the device in chunks of 50 examples, ordered by the first scored "
+        "model's errors and losses); 'raced': a candidate stops being scored once its accuracy provably "
+        "cannot beat the best fully scored one ('validations': distinct models scored, '(n cut)': how many "
+        "of them were stopped early)",
         "- same choice: candidate, variant and model bytes equal to the baseline's; 'trials differing': trials "
-        "whose validation metrics differ from the baseline's",
+        "scored in full whose selection metric (accuracy) differs from the baseline's",
         "",
     ]
     table = ["| setting | variant | sweep (s) | = merges | validations | validation (s) | = merges without "
@@ -209,14 +254,16 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         table.append(f"| {r['setting']} | baseline | {r['old']:.2f} | {r['old'] / r['merge']:.1f} | {r['val_old']} | "
                      f"{old_val:.2f} | {(r['old'] - old_val) / r['merge']:.1f} | - | - |")
         for label, v in r["runs"].items():
-            table.append(f"| {r['setting']} | {label} | {v['s']:.2f} | {v['s'] / r['merge']:.1f} | {v['val']} | "
+            val = f"{v['val']} ({v['cut']} cut)" if v["cut"] else f"{v['val']}"
+            table.append(f"| {r['setting']} | {label} | {v['s']:.2f} | {v['s'] / r['merge']:.1f} | {val} | "
                          f"{v['val_s']:.2f} | {(v['s'] - v['val_s']) / r['merge']:.1f} | "
                          f"{'yes' if v['same'] else 'NO'} | {v['differ']} |")
-    if previous_lines:  # merge: keep the old rows of both tables, add the new ones
+    if previous_lines:  # merge: keep the old rows of both tables but those of the settings run again
+        rerun = tuple(f"| {r['setting']} |" for r in rows)
         old_summary = [ln for ln in previous_lines if ln.startswith("| ") and ln.count("|") == 7
-                       and not ln.startswith("| setting")]
+                       and not ln.startswith(("| setting", *rerun))]
         old_table = [ln for ln in previous_lines if ln.startswith("| ") and ln.count("|") == 10
-                     and not ln.startswith("| setting")]
+                     and not ln.startswith(("| setting", *rerun))]
         summary = summary[:2] + old_summary + summary[2:]
         table = table[:2] + old_table + table[2:]
     lines = [*header, *summary, "", *table, "",

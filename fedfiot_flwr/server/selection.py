@@ -200,11 +200,19 @@ def model_digest(model: Mapping[str, np.ndarray]) -> str:
 
 
 class _CachedValidation:
-    """Validates each distinct model once (models are told apart by :func:`model_digest`)."""
+    """Validates each distinct model once (models are told apart by :func:`model_digest`).
 
-    def __init__(self, validate: ValidateFn) -> None:
+    With ``race`` and a ``validate`` that offers ``validate_bounded`` (:func:`fedfiot_flwr.validation.make_validate_fn`
+    does), :meth:`bounded` lets it stop once a model provably cannot beat the best score so far.
+    A model cut that way stays cut: the best score only gets harder to beat.
+    """
+
+    def __init__(self, validate: ValidateFn, race: bool = True) -> None:
         self.validate = validate
+        self.race: Callable[..., Mapping[str, float] | None] | None = (
+            getattr(validate, "validate_bounded", None) if race else None)
         self.cache: dict[str, dict[str, float]] = {}
+        self.cut: set[str] = set()
         self.calls = 0
 
     def __call__(self, model: Model) -> dict[str, float]:
@@ -212,6 +220,22 @@ class _CachedValidation:
         if key not in self.cache:
             self.calls += 1
             self.cache[key] = dict(self.validate(model) or {})
+        return dict(self.cache[key])
+
+    def bounded(self, model: Model, metric: str, threshold: float, maximize: bool) -> dict[str, float] | None:
+        """The model's metrics, or ``None`` when it was cut: it cannot beat ``threshold`` (ties lose)."""
+        if self.race is None or math.isnan(threshold):
+            return self(model)
+        key = model_digest(model)
+        if key in self.cut:
+            return None
+        if key not in self.cache:
+            self.calls += 1
+            out = self.race(model, metric, threshold, maximize)
+            if out is None:
+                self.cut.add(key)
+                return None
+            self.cache[key] = dict(out)
         return dict(self.cache[key])
 
 
@@ -236,6 +260,7 @@ def merge_round(
     speed: MergeSpeed | None = None,
     warm_start: bool = False,
     broadcast_in_round_one: bool = False,
+    race: bool = True,
 ) -> MergeOutcome:
     """Merge one round's valid uploads, selecting on validation data when possible.
 
@@ -293,6 +318,13 @@ def merge_round(
         Offer ``reference="broadcast"`` in round 1 too, where the broadcast model is the
         initialisation: meaningful when every client started from it (a shared initialisation).
         Off: round 1 aligns to the largest client, as the paper does.
+    race : bool
+        When ``validate`` offers ``validate_bounded(model, metric, threshold, maximize)`` (the
+        ``validate_fn`` of :func:`fedfiot_flwr.validation.make_validate_fn` does), stop scoring a
+        candidate as soon as it provably cannot beat the best fully scored one. Exact: the choice
+        and the chosen model's metrics are those of a full scoring. A cut trial is recorded with
+        ``"validation": None`` and ``"validation_cut": True``. FedAvg of the same uploads is always
+        scored in full. Plain callables are scored in full.
 
     Every candidate merges the same uploads, so the sweep shares its work: the uploads are
     prepared once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
@@ -321,7 +353,7 @@ def merge_round(
     clients = prepare_clients(uploads.weights, fishers, buffers=buffers, num_examples=uploads.num_examples,
                               client_ids=uploads.client_ids, checked=True)
     starts = WarmStarts() if warm_start and matching != "none" else None
-    validated = _CachedValidation(validate) if validate is not None else None
+    validated = _CachedValidation(validate, race) if validate is not None else None
     maximize = higher_is_better(metric)
     best: BestSoFar[tuple[Candidate, str, MergeResult, Model, dict[str, float] | None]] = BestSoFar(maximize=maximize)
     trials: list[dict[str, Any]] = []
@@ -355,7 +387,8 @@ def merge_round(
         if fallback == "validation" and res.aligned and matching != "none":
             variants.append(("identity", res.identity_model))
         for variant, model in variants:
-            val = validated(model) if validated is not None else None
+            val = (validated.bounded(model, metric, best.score if best.count else math.nan, maximize)
+                   if validated is not None else None)
             score = _score(val, metric)
             trials.append(
                 {
@@ -366,6 +399,7 @@ def merge_round(
                     "paper_rule_aligned": bool(res.aligned_objective < res.identity_objective),
                     "merge_seconds": float(res.seconds),
                     "validation": val,
+                    **({"validation_cut": True} if validated is not None and val is None else {}),
                 }
             )
             best.offer(score, (cand, variant, res, model, val))
@@ -377,8 +411,9 @@ def merge_round(
         baseline_model = size_weighted_average(uploads.weights, uploads.num_examples)
         baseline_val = validated(baseline_model) if validated is not None else None
     if len(trials) > 1:
-        logger.info("FedFiOT round %s: selected %s (%s) out of %d trials (%d distinct models validated)",
-                    server_round, cand.label(), variant, len(trials), validated.calls if validated is not None else 0)
+        logger.info("FedFiOT round %s: selected %s (%s) out of %d trials (%d distinct models validated, %d of them "
+                    "cut once they could not be chosen)", server_round, cand.label(), variant, len(trials),
+                    validated.calls if validated is not None else 0, len(validated.cut) if validated is not None else 0)
     if fedavg_candidate and validate is not None and beats(_score(baseline_val, metric), best.score, maximize=maximize):
         logger.info("FedFiOT round %s: FedAvg of the same uploads scored best on validation and is returned; "
                     "FedFiOT's own merge (%s) is reported next to it", server_round, variant)
