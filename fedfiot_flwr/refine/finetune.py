@@ -16,7 +16,6 @@ from fedfiot_flwr.options import Model
 __all__ = ["distill_finetune"]
 
 
-
 def distill_finetune(
     model: nn.Module, batches: Sequence[torch.Tensor], labels: torch.Tensor, teacher: Sequence[torch.Tensor],
     options: RefineOptions, stop_after: int | None = None,
@@ -31,8 +30,8 @@ def distill_finetune(
     The loss is ``distill_weight * T^2 KL(softmax(teacher / T) || softmax(model / T))``
     (``teacher``: the clients' mean logits on the same rows) plus ``(1 - distill_weight)``
     times cross-entropy on ``labels`` (the first ``len(labels)`` rows; augmented copies keep
-    their example's label). SGD with momentum 0.9, batch 50, gradient norm clipped at 5,
-    rows reshuffled every epoch (seeded). Stops early (yielding nothing more) if the loss
+    their example's label). SGD with momentum 0.9, batches of ``options.finetune_batch`` rows,
+    gradient norm clipped at 5, rows reshuffled every epoch (seeded). Stops early (yielding nothing more) if the loss
     stops being finite.
     """
     x = torch.cat(list(batches))
@@ -45,7 +44,8 @@ def distill_finetune(
     y = torch.zeros(x.shape[0], dtype=torch.long)
     y[:n_lab] = labels
     opt = torch.optim.SGD(model.parameters(), lr=options.finetune_lr, momentum=0.9)
-    steps_per_epoch = math.ceil(x.shape[0] / 50)
+    batch = options.finetune_batch
+    steps_per_epoch = math.ceil(x.shape[0] / batch)
     schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=options.finetune_epochs * steps_per_epoch)
                 if options.finetune_schedule == "cosine" else None)
     gen = torch.Generator().manual_seed(options.seed + 1)
@@ -54,7 +54,7 @@ def distill_finetune(
     last = options.finetune_epochs if stop_after is None else min(stop_after, options.finetune_epochs)
     for epoch in range(1, last + 1):
         model.train()
-        for idx in torch.split(torch.randperm(x.shape[0], generator=gen), 50):
+        for idx in torch.split(torch.randperm(x.shape[0], generator=gen), batch):
             out = model(x[idx])
             kd = F.kl_div(F.log_softmax(out / temp, dim=1), soft[idx], reduction="batchmean") * temp * temp
             lab = has_label[idx]
