@@ -85,14 +85,25 @@ class RefineReport:
     candidates: dict[str, Model] = field(default_factory=dict)
 
 
-def _accuracy(model: nn.Module, loader: Iterable[Any], reference: bool = False) -> float:
+def _accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
+    """``model``'s accuracy on ``loader``, under ``torch.inference_mode``."""
+    with torch.inference_mode():
+        return _count_accuracy(model, loader)
+
+
+def _reference_accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
+    """:func:`_accuracy` under ``torch.no_grad`` (the reference implementation)."""
+    with torch.no_grad():
+        return _count_accuracy(model, loader)
+
+
+def _count_accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
     correct = seen = 0
     model.eval()
-    with torch.no_grad() if reference else torch.inference_mode():
-        for b in loader:
-            x, y = split_batch(b)
-            correct += int((model(x.float()).argmax(1) == y).sum())
-            seen += int(y.shape[0])
+    for b in loader:
+        x, y = split_batch(b)
+        correct += int((model(x.float()).argmax(1) == y).sum())
+        seen += int(y.shape[0])
     if seen == 0:
         raise ValueError("the refinement's selection loader yields no examples")
     return correct / seen
@@ -284,7 +295,7 @@ def refine_merged_model(
         best.offer(report.selection_accuracy[name], (name, state))
 
     def consider(name: str, state: Model, offered: bool = True) -> None:
-        acc = _accuracy(load_state(model, state), select_batches, reference)
+        acc = (_reference_accuracy if reference else _accuracy)(load_state(model, state), select_batches)
         report.selection_accuracy[name] = acc
         if options.keep_candidates:
             report.candidates[name] = state
