@@ -33,13 +33,13 @@ def _state(model: nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def _clients(k: int = 3) -> list[dict[str, np.ndarray]]:
-    return [_state(build_model("mlp", (1, 8, 8), 10, seed=i)) for i in range(k)]
+def _clients(k: int = 3, arch: str = "mlp", side: int = 8) -> list[dict[str, np.ndarray]]:
+    return [_state(build_model(arch, (1, side, side), 10, seed=i)) for i in range(k)]
 
 
-def _loader(n: int, seed: int) -> DataLoader:
+def _loader(n: int, seed: int, side: int = 8) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 1, 8, 8, generator=g)
+    x = torch.randn(n, 1, side, side, generator=g)
     return DataLoader(TensorDataset(x, torch.randint(0, 10, (n,), generator=g)), batch_size=64)
 
 
@@ -110,11 +110,11 @@ def test_shared_first_layer_sums_and_early_stops_refit_as_the_full_passes() -> N
     shared: dict = {}
     for ridge in (1e-2, 1e-1):
         refits = []
-        for cache, stop in ((None, False), (shared, True)):
+        for cache, reference in ((None, True), (shared, False)):
             model = build_model("mlp", (1, 8, 8), 10)
             model.load_state_dict({k: torch.as_tensor(v) for k, v in _merged(clients).items()})
             errors = least_squares_refine(model, layer_modules(model, batches[0]), batches, targets, ridge,
-                                          cache, stop=stop)
+                                          cache, reference=reference)
             refits.append((errors, _state(model)))
         np.testing.assert_allclose(refits[1][0], refits[0][0], rtol=1e-10)
         for k, v in refits[0][1].items():
@@ -122,14 +122,14 @@ def test_shared_first_layer_sums_and_early_stops_refit_as_the_full_passes() -> N
     assert len(shared) == 1  # the first layer's sums, computed once for both ridges
 
 
-@pytest.mark.parametrize("mode", ["label", "uniform"])
-def test_the_refinement_returns_the_reference_model(mode: str) -> None:
-    clients = _clients()
-    model = build_model("mlp", (1, 8, 8), 10)
+@pytest.mark.parametrize(("mode", "arch", "side"), [("label", "mlp", 8), ("uniform", "mlp", 8), ("label", "lenet", 28)])
+def test_the_refinement_returns_the_reference_model(mode: str, arch: str, side: int) -> None:
+    clients = _clients(3, arch, side)
+    model = build_model(arch, (1, side, side), 10)
     opts = RefineOptions(ridges=(1e-2, 1e-1), repair=True, target_weights=mode, finetune_epochs=2,
                          augment_copies=2, checkpoint_every=1, keep_candidates=True, offer_starts=True,
                          finetune_lr=0.005)
-    runs = [refine_merged_model(_merged(clients), clients, model, _loader(120, 5), _loader(80, 6),
+    runs = [refine_merged_model(_merged(clients), clients, model, _loader(120, 5, side), _loader(80, 6, side),
                                 spec=permutation_spec(model), options=opts, reference=reference)
             for reference in (True, False)]
     (ref_model, ref_rep), (new_model, new_rep) = runs
@@ -141,6 +141,7 @@ def test_the_refinement_returns_the_reference_model(mode: str) -> None:
             np.testing.assert_allclose(new_rep.candidates[name][k], v, rtol=1e-4, atol=1e-5, err_msg=name)
     for k, v in ref_model.items():
         np.testing.assert_allclose(new_model[k], v, rtol=1e-4, atol=1e-5)
+        assert new_model[k].flags["C_CONTIGUOUS"] and new_model[k].dtype == v.dtype
     np.testing.assert_allclose(new_rep.fit_errors["ls-r0.1"], ref_rep.fit_errors["ls-r0.1"], rtol=1e-5)
 
 

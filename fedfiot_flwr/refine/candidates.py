@@ -31,6 +31,7 @@ from fedfiot_flwr.merge.spec import PermutationSpec, apply_permutations
 from fedfiot_flwr.refine.finetune import distill_finetune
 from fedfiot_flwr.refine.linalg import LayerMoments
 from fedfiot_flwr.refine.ops import (
+    channels_last,
     client_neuron_stats,
     client_outputs,
     client_targets,
@@ -85,13 +86,15 @@ class RefineReport:
     candidates: dict[str, Model] = field(default_factory=dict)
 
 
-def _accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
-    """``model``'s accuracy on ``loader``, under ``torch.inference_mode``."""
-    with torch.inference_mode():
-        return _count_accuracy(model, loader)
+def _accuracy(model: nn.Module, loader: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """``model``'s accuracy on ``(x, y)`` batches, channels-last under ``torch.inference_mode``."""
+    if not loader:
+        raise ValueError("the refinement's selection loader yields no examples")
+    with channels_last(model, loader[0][0]) as layout, torch.inference_mode():
+        return _count_accuracy(model, [(layout(x), y) for x, y in loader])
 
 
-def _reference_accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
+def _reference_accuracy(model: nn.Module, loader: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """:func:`_accuracy` under ``torch.no_grad`` (the reference implementation)."""
     with torch.no_grad():
         return _count_accuracy(model, loader)
@@ -272,7 +275,7 @@ def refine_merged_model(
             recalibrate_batchnorm(model, on.batches)
         if recipe.ridge is not None:
             errors = least_squares_refine(model, layers, on.batches, on.targets, recipe.ridge, on.first_moments,
-                                          stop=not reference)
+                                          reference=reference)
             if label is not None:
                 report.fit_errors[label] = errors
             recalibrate_batchnorm(model, on.batches)
