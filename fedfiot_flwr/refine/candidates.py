@@ -212,8 +212,9 @@ def refine_merged_model(
     reference : bool
         Run the reference implementation, which returns the same model up to rounding at a
         higher cost (for measurements): separate forward passes for the label weights, the
-        layer targets and the teacher, each refit's sums computed afresh, gradient
-        tracking switched off by ``torch.no_grad`` rather than ``torch.inference_mode``.
+        layer targets and the teacher, each refit's sums computed afresh, whole forward
+        passes, the default memory layout (not channels-last), gradient tracking switched off
+        by ``torch.no_grad`` rather than ``torch.inference_mode``.
 
     Returns
     -------
@@ -282,7 +283,7 @@ def refine_merged_model(
         yield 0, model_state(model)
         if recipe.epochs > 0:
             yield from distill_finetune(model, on.ft_batches, on.ft_labels, on.teacher, options,
-                                        stop_after=recipe.epochs)
+                                        stop_after=recipe.epochs, reference=reference)
 
     recipes: dict[str, _Recipe] = {"repair": _Recipe(repair=True)} if options.repair else {}
     for r in options.ridges:

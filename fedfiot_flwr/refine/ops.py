@@ -229,7 +229,7 @@ def collect_fit(loader: Iterable[Any], copies: int, seed: int,
 
 
 def fit_batches(loader: Iterable[Any], copies: int, seed: int,
-             batch: int = 500) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+                batch: int = 500) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     """The fitting rows as :func:`collect_fit` makes them, the examples' own batches first.
 
     Returns ``(batches, labels, n)``: the first ``n`` batches hold the un-augmented examples
