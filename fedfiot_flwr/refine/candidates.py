@@ -29,11 +29,15 @@ from fedfiot_flwr.batches import split_batch
 from fedfiot_flwr.choose import BestSoFar, best_index
 from fedfiot_flwr.merge.spec import PermutationSpec, apply_permutations
 from fedfiot_flwr.refine.finetune import distill_finetune
+from fedfiot_flwr.refine.linalg import LayerMoments
 from fedfiot_flwr.refine.ops import (
+    channels_last,
     client_neuron_stats,
+    client_outputs,
     client_targets,
     collect_fit,
     example_weights,
+    fit_batches,
     layer_modules,
     least_squares_refine,
     load_state,
@@ -82,14 +86,27 @@ class RefineReport:
     candidates: dict[str, Model] = field(default_factory=dict)
 
 
-def _accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
+def _accuracy(model: nn.Module, loader: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """``model``'s accuracy on ``(x, y)`` batches, channels-last under ``torch.inference_mode``."""
+    if not loader:
+        raise ValueError("the refinement's selection loader yields no examples")
+    with channels_last(model, loader[0][0]) as layout, torch.inference_mode():
+        return _count_accuracy(model, [(layout(x), y) for x, y in loader])
+
+
+def _reference_accuracy(model: nn.Module, loader: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """:func:`_accuracy` under ``torch.no_grad`` (the reference implementation)."""
+    with torch.no_grad():
+        return _count_accuracy(model, loader)
+
+
+def _count_accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
     correct = seen = 0
     model.eval()
-    with torch.no_grad():
-        for b in loader:
-            x, y = split_batch(b)
-            correct += int((model(x.float()).argmax(1) == y).sum())
-            seen += int(y.shape[0])
+    for b in loader:
+        x, y = split_batch(b)
+        correct += int((model(x.float()).argmax(1) == y).sum())
+        seen += int(y.shape[0])
     if seen == 0:
         raise ValueError("the refinement's selection loader yields no examples")
     return correct / seen
@@ -117,11 +134,29 @@ class _FitData:
     ft_labels: torch.Tensor
     teacher: list[torch.Tensor]
     stats: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+    first_moments: dict[str, LayerMoments] | None = None
 
 
 def _fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence[Model], layers: Sequence[tuple[str, nn.Module]],
-              options: RefineOptions, num_examples: Sequence[int] | None) -> _FitData:
-    """Everything fitted candidates need from ``rows``: layer targets and the fine-tuning teacher."""
+              options: RefineOptions, num_examples: Sequence[int] | None, reference: bool = False) -> _FitData:
+    """Everything fitted candidates need from ``rows``: layer targets and the fine-tuning teacher.
+
+    One forward pass per client and row gives the label weights, the layer targets and the
+    teacher (:func:`~fedfiot_flwr.refine.ops.client_outputs`); ``reference`` runs the
+    separate passes of :func:`_reference_fit_data` instead.
+    """
+    if reference:
+        return _reference_fit_data(rows, model, aligned, layers, options, num_examples)
+    tune = options.finetune_epochs > 0
+    batches, labels, n_base = fit_batches(rows, options.augment_copies if tune else 0, options.seed)
+    outs = client_outputs(model, aligned, batches, labels, layers, options.target_weights, num_examples, n_base, tune)
+    return _FitData(batches[:n_base], outs.targets, batches, torch.cat(labels), outs.teacher, first_moments={})
+
+
+def _reference_fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence[Model],
+                        layers: Sequence[tuple[str, nn.Module]], options: RefineOptions,
+                        num_examples: Sequence[int] | None) -> _FitData:
+    """:func:`_fit_data` by separate passes: label weights, then targets, on the examples and again on all rows."""
     batches, labels = collect_fit(rows, 0, options.seed)
     row_weights = example_weights(model, aligned, batches, labels, options.target_weights, num_examples)
     targets = client_targets(model, aligned, row_weights, layers, batches)
@@ -147,6 +182,8 @@ def refine_merged_model(
     num_examples: Sequence[int] | None = None,
     options: RefineOptions = RefineOptions(),
     log: Callable[[str], None] | None = None,
+    *,
+    reference: bool = False,
 ) -> tuple[Model, RefineReport]:
     """Refine a merged model on server data and return the best candidate on the selection fold.
 
@@ -172,6 +209,12 @@ def refine_merged_model(
         Candidates and data knobs.
     log : callable, optional
         Progress lines.
+    reference : bool
+        Run the reference implementation, which returns the same model up to rounding at a
+        higher cost (for measurements): separate forward passes for the label weights, the
+        layer targets and the teacher, each refit's sums computed afresh, whole forward
+        passes, the default memory layout (not channels-last), gradient tracking switched off
+        by ``torch.no_grad`` rather than ``torch.inference_mode``.
 
     Returns
     -------
@@ -212,7 +255,7 @@ def refine_merged_model(
     if not fit_rows:
         raise ValueError("the refinement's fitting loader yields no examples")
     layers = layer_modules(model, split_batch(fit_rows[0])[0].float())
-    data = _fit_data(fit_rows, model, aligned, layers, options, num_examples)
+    data = _fit_data(fit_rows, model, aligned, layers, options, num_examples, reference)
     select_rows = list(select_loader)
     select_batches = [(x.float(), y) for x, y in map(split_batch, select_rows)]
     report = RefineReport(chosen="merged", fit_examples=sum(len(b) for b in data.batches),
@@ -232,14 +275,15 @@ def refine_merged_model(
             repair(model, layers, on.batches, on.stats)
             recalibrate_batchnorm(model, on.batches)
         if recipe.ridge is not None:
-            errors = least_squares_refine(model, layers, on.batches, on.targets, recipe.ridge)
+            errors = least_squares_refine(model, layers, on.batches, on.targets, recipe.ridge, on.first_moments,
+                                          reference=reference)
             if label is not None:
                 report.fit_errors[label] = errors
             recalibrate_batchnorm(model, on.batches)
         yield 0, model_state(model)
         if recipe.epochs > 0:
             yield from distill_finetune(model, on.ft_batches, on.ft_labels, on.teacher, options,
-                                        stop_after=recipe.epochs)
+                                        stop_after=recipe.epochs, reference=reference)
 
     recipes: dict[str, _Recipe] = {"repair": _Recipe(repair=True)} if options.repair else {}
     for r in options.ridges:
@@ -255,7 +299,7 @@ def refine_merged_model(
         best.offer(report.selection_accuracy[name], (name, state))
 
     def consider(name: str, state: Model, offered: bool = True) -> None:
-        acc = _accuracy(load_state(model, state), select_batches)
+        acc = (_reference_accuracy if reference else _accuracy)(load_state(model, state), select_batches)
         report.selection_accuracy[name] = acc
         if options.keep_candidates:
             report.candidates[name] = state
@@ -295,7 +339,7 @@ def refine_merged_model(
     report.chosen, chosen_model = best.item
     if options.refit and report.chosen in recipes:
         # The choice is made; refit its recipe on both folds (as a grid search refits its winner).
-        both = _fit_data(fit_rows + select_rows, model, aligned, layers, options, num_examples)
+        both = _fit_data(fit_rows + select_rows, model, aligned, layers, options, num_examples, reference)
         recipe = recipes[report.chosen]
         for epoch, state in build(recipe, both):
             if epoch == recipe.epochs:

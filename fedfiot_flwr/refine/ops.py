@@ -8,7 +8,9 @@ neuron across clients.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,12 +25,17 @@ from fedfiot_flwr.options import Model
 
 __all__ = [
     "Capture",
+    "ClientOutputs",
     "augment_inputs",
+    "channels_last",
     "client_neuron_stats",
+    "client_outputs",
     "client_targets",
     "collect_fit",
     "example_weights",
+    "fit_batches",
     "layer_modules",
+    "layer_moments",
     "least_squares_refine",
     "load_state",
     "model_state",
@@ -54,6 +61,24 @@ def load_state(model: nn.Module, state: Mapping[str, np.ndarray]) -> nn.Module:
 def model_state(model: nn.Module) -> Model:
     """A copy of ``model``'s state dict as numpy arrays."""
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def channels_last(model: nn.Module, example: torch.Tensor) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Inside the block ``model`` keeps its 4-d weights channels-last; yields the batch conversion.
+
+    Convolutions and max-pooling of image batches run faster on the CPU in that memory layout;
+    the values are the same up to rounding. Other inputs pass unchanged. Enter it outside
+    ``torch.inference_mode`` (the weights are re-laid out, and must stay trainable tensors).
+    """
+    if example.ndim != 4:
+        yield lambda x: x
+        return
+    model.to(memory_format=torch.channels_last)
+    try:
+        yield lambda x: x.contiguous(memory_format=torch.channels_last)
+    finally:
+        model.to(memory_format=torch.contiguous_format)
 
 
 def layer_modules(model: nn.Module, example: torch.Tensor) -> list[tuple[str, nn.Module]]:
@@ -116,20 +141,46 @@ def setflat_weight(module: nn.Module, w: np.ndarray) -> None:
         module.weight.copy_(torch.as_tensor(w).reshape(module.weight.shape))
 
 
-class Capture:
-    """Forward hooks recording chosen layers' inputs and outputs."""
+class StopForward(Exception):
+    """Raised by a :class:`Capture` hook to end a forward pass once its layer was recorded."""
 
-    def __init__(self, layers: Sequence[tuple[str, nn.Module]], inputs: bool, outputs: bool) -> None:
+
+class Capture:
+    """Forward hooks recording chosen layers' inputs and outputs.
+
+    With ``stop=True`` (inputs only) the forward pass ends, by :class:`StopForward`, as soon
+    as the layer's input is recorded: nothing after that layer runs; :meth:`run` catches it.
+    """
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]], inputs: bool, outputs: bool,
+                 stop: bool = False) -> None:
+        if stop and outputs:
+            raise ValueError("a capture that stops the forward pass records inputs only")
         self.inputs: dict[str, torch.Tensor] = {}
         self.outputs: dict[str, torch.Tensor] = {}
         self._handles = []
         for name, mod in layers:
+            if stop:
+                def pre_hook(m: nn.Module, a: tuple[Any, ...], name: str = name) -> None:
+                    self.inputs[name] = a[0].detach()
+                    raise StopForward
+                self._handles.append(mod.register_forward_pre_hook(pre_hook))
+                continue
+
             def hook(m: nn.Module, a: tuple[Any, ...], o: torch.Tensor, name: str = name) -> None:
                 if inputs:
                     self.inputs[name] = a[0].detach()
                 if outputs:
                     self.outputs[name] = o.detach()
             self._handles.append(mod.register_forward_hook(hook))
+
+    @staticmethod
+    def run(model: nn.Module, x: torch.Tensor) -> None:
+        """``model(x)`` for its hooks' sake, ended early by a stopping capture."""
+        try:
+            model(x)
+        except StopForward:
+            pass
 
     def close(self) -> None:
         for h in self._handles:
@@ -175,6 +226,22 @@ def collect_fit(loader: Iterable[Any], copies: int, seed: int,
     x = augment_inputs(torch.cat(xs), copies, torch.Generator().manual_seed(seed))
     y = torch.cat(ys).repeat(1 + max(copies, 0))
     return list(torch.split(x, batch)), list(torch.split(y, batch))
+
+
+def fit_batches(loader: Iterable[Any], copies: int, seed: int,
+                batch: int = 500) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The fitting rows as :func:`collect_fit` makes them, the examples' own batches first.
+
+    Returns ``(batches, labels, n)``: the first ``n`` batches hold the un-augmented examples
+    (exactly :func:`collect_fit` with no copies), the rest their augmented copies.
+    """
+    base, base_labels = collect_fit(loader, 0, seed, batch)
+    if copies <= 0:
+        return base, base_labels, len(base)
+    x, y = torch.cat(base), torch.cat(base_labels)
+    extra = augment_inputs(x, copies, torch.Generator().manual_seed(seed))[x.shape[0]:]
+    return (base + list(torch.split(extra, batch)), base_labels + list(torch.split(y.repeat(copies), batch)),
+            len(base))
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -227,6 +294,73 @@ def client_targets(
     finally:
         cap.close()
     return targets
+
+
+@dataclass
+class ClientOutputs:
+    """The clients' weighted mean outputs on the fitting rows, from one forward pass per client.
+
+    Attributes
+    ----------
+    targets : list[dict[str, torch.Tensor]]
+        Per target batch and layer, the weighted mean of the clients' layer outputs (the
+        least-squares targets).
+    teacher : list[torch.Tensor]
+        Per batch (target batches first), the weighted mean of the clients' last-layer
+        outputs (the distillation teacher); empty when not asked for.
+    """
+
+    targets: list[dict[str, torch.Tensor]]
+    teacher: list[torch.Tensor]
+
+
+def client_outputs(
+    model: nn.Module, clients: Sequence[Model], batches: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
+    layers: Sequence[tuple[str, nn.Module]], mode: str, sizes: Sequence[float] | None, target_batches: int,
+    teacher: bool,
+) -> ClientOutputs:
+    """:func:`example_weights`, :func:`client_targets` and the teacher's logits in one pass per client.
+
+    Each client runs once on each batch; the same forward pass gives the row's label weight
+    (``mode`` as in :func:`example_weights`), every layer's output on the first
+    ``target_batches`` batches and, with ``teacher``, the last layer's output on all of them.
+    Under ``"label"`` the weighted sums are divided by the summed weights at the end, which
+    equals weighting by the normalised weights up to rounding; image batches run channels-last
+    (:func:`channels_last`).
+    """
+    if mode == "size":
+        assert sizes is not None
+        shares = [float(n) / float(sum(sizes)) for n in sizes]
+    else:
+        shares = [1.0 / len(clients)] * len(clients)
+    last = layers[-1][0]
+    num: list[dict[str, torch.Tensor]] = [{} for _ in batches]
+    total: list[torch.Tensor | None] = [None for _ in batches]
+    cap = Capture(layers, inputs=False, outputs=True)
+    try:
+        with channels_last(model, batches[0]) as layout, torch.inference_mode():
+            for j, client in enumerate(clients):
+                load_state(model, client).eval()
+                for i, (x, y) in enumerate(zip(batches, labels)):
+                    if i >= target_batches and not teacher:
+                        break
+                    logits = model(layout(x))
+                    w = (torch.softmax(logits, 1).gather(1, y[:, None]).squeeze(1) + 1e-3 if mode == "label"
+                         else torch.full((len(y),), shares[j]))
+                    total[i] = w if total[i] is None else total[i] + w
+                    names = [n for n, _ in layers] if i < target_batches else [last]
+                    for name in names:
+                        out = cap.outputs[name]
+                        part = out * w.reshape((-1,) + (1,) * (out.ndim - 1))
+                        num[i][name] = part if name not in num[i] else num[i][name] + part
+    finally:
+        cap.close()
+    if mode == "label":
+        for i, acc in enumerate(num):
+            for name, v in acc.items():
+                acc[name] = v / total[i].reshape((-1,) + (1,) * (v.ndim - 1))  # type: ignore[union-attr]
+    targets = [{n: v for n, v in num[i].items()} for i in range(target_batches)]
+    return ClientOutputs(targets, [acc[last] for acc in num if last in acc] if teacher else [])
 
 
 def client_neuron_stats(
@@ -287,15 +421,50 @@ def repair(
                 mod.bias.copy_(torch.as_tensor(b))
 
 
+def layer_moments(
+    model: nn.Module, name: str, mod: nn.Module, batches: Sequence[torch.Tensor],
+    targets: Sequence[Mapping[str, torch.Tensor]], reference: bool = False,
+) -> LayerMoments:
+    """One layer's least-squares sums: ``model``'s inputs to it against the ``targets`` rows.
+
+    Each forward pass ends at the layer (nothing after it runs) and image batches run
+    channels-last (:func:`channels_last`); ``reference`` runs whole forward passes in the
+    default layout instead.
+    """
+    d_in = int(np.prod(mod.weight.shape[1:])) + (mod.bias is not None)
+    moments = LayerMoments(d_in, mod.weight.shape[0])
+    cap = Capture([(name, mod)], inputs=True, outputs=False, stop=not reference)
+    layout_of = contextlib.nullcontext(lambda x: x) if reference else channels_last(model, batches[0])
+    try:
+        with layout_of as layout, torch.no_grad():
+            for x, tgt in zip(batches, targets):
+                Capture.run(model, layout(x))
+                moments.add(input_rows(mod, cap.inputs[name]).double().numpy(),
+                            output_rows(mod, tgt[name]).double().numpy())
+    finally:
+        cap.close()
+    return moments
+
+
 def least_squares_refine(
     model: nn.Module, layers: Sequence[tuple[str, nn.Module]], batches: Sequence[torch.Tensor],
     targets: Sequence[Mapping[str, torch.Tensor]], ridge: float,
+    first_moments: dict[str, LayerMoments] | None = None, reference: bool = False,
 ) -> list[float]:
     """Least-squares refinement in place, layer by layer in forward order.
 
     For each layer, accumulate the merged model's inputs to it (after the earlier layers were
     refitted) against ``targets`` (the clients' mean outputs, per batch), then replace its
     weights by :func:`fedfiot_flwr.refine.linalg.ridge_refit` with ``ridge``.
+
+    Parameters
+    ----------
+    first_moments : dict, optional
+        A cache of the first layer's sums, shared by refits on the same ``batches`` and
+        ``targets`` (that layer's inputs are the data, whatever was refitted): filled on first
+        use, read afterwards.
+    reference : bool
+        Whole forward passes in the default memory layout (:func:`layer_moments`).
 
     Returns
     -------
@@ -304,18 +473,14 @@ def least_squares_refine(
     """
     errors: list[float] = []
     model.eval()
-    for name, mod in layers:
+    for pos, (name, mod) in enumerate(layers):
         w0 = flat_weight(mod)
-        moments = LayerMoments(w0.shape[1], w0.shape[0])
-        cap = Capture([(name, mod)], inputs=True, outputs=False)
-        try:
-            with torch.no_grad():
-                for x, tgt in zip(batches, targets):
-                    model(x)
-                    moments.add(input_rows(mod, cap.inputs[name]).double().numpy(),
-                                output_rows(mod, tgt[name]).double().numpy())
-        finally:
-            cap.close()
+        if pos == 0 and first_moments is not None and name in first_moments:
+            moments = first_moments[name]
+        else:
+            moments = layer_moments(model, name, mod, batches, targets, reference)
+            if pos == 0 and first_moments is not None:
+                first_moments[name] = moments
         w = ridge_refit(moments, w0, ridge)
         errors += [reconstruction_error(moments, w0), reconstruction_error(moments, w)]
         setflat_weight(mod, w)

@@ -63,6 +63,8 @@ class RefineOptions:
         SGD learning rate (> 0, momentum 0.9) of the fine-tuning.
     finetune_schedule : {"constant", "cosine"}
         Constant learning rate, or a cosine decay to 0 over all ``finetune_epochs``.
+    finetune_batch : int
+        Rows (>= 1) of each fine-tuning step.
     offer_starts : bool
         With fine-tuning on, whether the least-squares / REPAIR candidates may also be returned
         (False: they only choose where fine-tuning starts).
@@ -86,6 +88,7 @@ class RefineOptions:
     checkpoint_every: int = 0
     finetune_lr: float = 0.01
     finetune_schedule: FinetuneSchedule = "cosine"
+    finetune_batch: int = 50
     offer_starts: bool = False
     distill_weight: float = 0.5
     temperature: float = 2.0
@@ -99,6 +102,8 @@ class RefineOptions:
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
                      "an integer >= 0", value)
+        _require(isinstance(self.finetune_batch, int) and not isinstance(self.finetune_batch, bool)
+                 and self.finetune_batch >= 1, "finetune_batch", "an integer >= 1", self.finetune_batch)
         _require(self.target_weights in TARGET_WEIGHTS, "target_weights", f"one of {TARGET_WEIGHTS}",
                  self.target_weights)
         _require(self.finetune_schedule in FINETUNE_SCHEDULES, "finetune_schedule", f"one of {FINETUNE_SCHEDULES}",
