@@ -103,7 +103,7 @@ def wide_layer(m: int, d: int, k: int, repeats: int, variants: list[str]) -> lis
     return [r for r in records if r["variant"] in variants]
 
 
-def wide_lines(records: list[dict[str, Any]]) -> list[str]:
+def wide_lines(records: list[dict[str, Any]], commands: list[str]) -> list[str]:
     lines = [
         "## A wide layer's assignments in threads (`lap_threads`)",
         "",
@@ -117,8 +117,8 @@ def wide_lines(records: list[dict[str, Any]]) -> list[str]:
         "",
         "| m | variant | threads | repeats | sequential wall (s) | threaded wall (s) | threaded / sequential "
         "| CPU s sequential / threaded | cores the threaded run got (CPU / wall) | iterations | bit-identical "
-        "| same as exact | load average during the runs |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+        "| same as exact | load average during the runs | run |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
     ]
     for r in records:
         cores = r["threaded_cpu_s"] / r["threaded_wall_s"]
@@ -127,7 +127,8 @@ def wide_lines(records: list[dict[str, Any]]) -> list[str]:
                      f"{r['threaded_cpu_s']:.1f} | {cores:.2f} | {r['iterations']} | "
                      f"{'yes' if r['bit_identical'] else 'NO'} | "
                      f"{_yes_no(r.get('same_permutations_as_exact'))} | "
-                     f"{r['load_average'][0]:.1f}-{r['load_average'][1]:.1f} |")
+                     f"{r['load_average'][0]:.1f}-{r['load_average'][1]:.1f} | "
+                     f"{commands.index(r.get('command', commands[0])) + 1} |")
     return lines
 
 
@@ -270,8 +271,12 @@ def main() -> None:
         for i, m in enumerate(args.wide_m):
             repeats = args.wide_repeats[min(i, len(args.wide_repeats) - 1)]
             records += wide_layer(m, 1024, 6, repeats, args.wide_variants)
+        for r in records:
+            r["command"] = command
         rerun = {(r["m"], r["variant"]) for r in records}
-        kept = [r for r in data.get("wide", {}).get("records", []) if (r["m"], r["variant"]) not in rerun]
+        previous = data.get("wide", {})
+        kept = [{**r, "command": r.get("command", previous.get("command", ""))}
+                for r in previous.get("records", []) if (r["m"], r["variant"]) not in rerun]
         data["wide"] = {"command": command, "machine": machine, "seconds": time.perf_counter() - start,
                         "records": sorted(kept + records,
                                           key=lambda r: (r["m"], list(WIDE_VARIANTS).index(r["variant"])))}
@@ -289,8 +294,10 @@ def main() -> None:
              "the column 'cores the threaded run got' says how much of one it had.", ""]
     if "wide" in data:
         wide = data["wide"]
-        lines += [*wide_lines(wide["records"]), "",
-                  f"Machine: {wide['machine']}. Command: `{wide['command']}` ({wide['seconds']:.0f} s).", ""]
+        commands = list(dict.fromkeys(r.get("command", wide["command"]) for r in wide["records"]))
+        lines += [*wide_lines(wide["records"], commands), "", f"Machine: {wide['machine']}. Runs:", "",
+                  *[f"{i + 1}. `{c}`" for i, c in enumerate(commands)], "",
+                  f"The last run took {wide['seconds']:.0f} s.", ""]
     if "kfac" in data:
         kfac = data["kfac"]
         lines += [*kfac_lines(kfac["record"]), "",

@@ -83,9 +83,9 @@ def test_certified_merge_is_bit_identical_to_the_exact_merge(noise, opts, stack_
     calls = {"solver": 0}
     solve = certify_module.assign
 
-    def counted(cost, solver="scipy"):
+    def counted(cost, solver="scipy", single=False):
         calls["solver"] += 1
-        return solve(cost, solver)
+        return solve(cost, solver, single)
 
     monkeypatch.setattr(certify_module, "assign", counted)
     fast = merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(certify=True, stack_bytes=stack_bytes),

@@ -150,6 +150,23 @@ def test_the_avx_lapjv_finds_scipys_optimum_in_either_precision():
     _assert_same(merge(models, fishers, SPEC, num_examples=SIZES),
                  merge(models, fishers, SPEC, num_examples=SIZES,
                        speed=MergeSpeed(lap_solver="lapjv-avx", lap_threads=2)))
+    # float32 costs: LAPJV may solve in float32, and still finds the float64 merge's alignment here
+    _assert_same(merge(models, fishers, SPEC, num_examples=SIZES),
+                 merge(models, fishers, SPEC, num_examples=SIZES,
+                       speed=MergeSpeed(cost_dtype="float32", lap_solver="lapjv-avx", certify=True)))
+
+
+@pytest.mark.skipif(not installed("lapjv-avx"), reason="the optional 'lapjv' package is not installed")
+def test_a_float32_accurate_matrix_is_solved_in_float32_by_the_avx_lapjv_only():
+    rng = np.random.default_rng(8)
+    cost = rng.random((300, 300))
+    rounded = cost.astype(np.float32)
+    assert np.array_equal(assign(cost, "lapjv-avx", single=True), assign(rounded, "scipy"))
+    assert np.array_equal(assign(cost, "scipy", single=True), assign(cost, "scipy"))  # scipy ignores it
+    # costs 1e-9 apart: told apart in float64, not after the float32 rounding
+    base = rng.random((40, 40))
+    fine = base + 1e-9 * rng.random((40, 40))
+    assert np.array_equal(assign(fine, "lapjv-avx"), assign(fine, "scipy"))
 
 
 def test_auto_takes_the_fastest_installed_solver_for_wide_layers_only(monkeypatch):

@@ -96,7 +96,8 @@ def certify_assignment(
     return True
 
 
-def assign_with_hint(cost: np.ndarray, hint: np.ndarray | None, solver: str = "scipy") -> tuple[np.ndarray, bool]:
+def assign_with_hint(cost: np.ndarray, hint: np.ndarray | None, solver: str = "scipy",
+                     single: bool = False) -> tuple[np.ndarray, bool]:
     """Minimum-cost assignment, trying ``hint`` first.
 
     Parameters
@@ -108,6 +109,9 @@ def assign_with_hint(cost: np.ndarray, hint: np.ndarray | None, solver: str = "s
     solver : str
         Exact solver used when the hint is not certified, or the matrix is smaller than
         ``MIN_SIZE[solver]`` (see :func:`fedfiot_flwr.merge.lap.assign`).
+    single : bool
+        Passed to the solver: ``cost`` is only float32-accurate (the hint is certified on
+        ``cost`` as given).
 
     Returns
     -------
@@ -123,4 +127,4 @@ def assign_with_hint(cost: np.ndarray, hint: np.ndarray | None, solver: str = "s
     """
     if hint is not None and cost.shape[0] >= MIN_SIZE.get(solver, 128) and certify_assignment(cost, hint):
         return np.asarray(hint, dtype=np.int64), True
-    return assign(cost, solver), False
+    return assign(cost, solver, single), False

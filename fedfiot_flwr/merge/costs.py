@@ -77,7 +77,7 @@ def euclidean_cost_matrices(
             yield row_norms - 2.0 * product[:, k * m:(k + 1) * m] + np.einsum("jc,jc->j", x, x)[None, :]
 
 
-def assign(cost: np.ndarray, solver: str = "scipy") -> np.ndarray:
+def assign(cost: np.ndarray, solver: str = "scipy", single: bool = False) -> np.ndarray:
     """Exact minimum-cost assignment; returns ``p`` with global neuron ``i`` <- client neuron ``p[i]``.
 
     ``solver`` is scipy's (default) or an optional LAPJV package's; see
@@ -86,7 +86,7 @@ def assign(cost: np.ndarray, solver: str = "scipy") -> np.ndarray:
     >>> assign(np.array([[5., 1.], [1., 5.]])).tolist()
     [1, 0]
     """
-    return _assign(cost, solver)
+    return _assign(cost, solver, single)
 
 
 def aggregate(

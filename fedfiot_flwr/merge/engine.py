@@ -246,10 +246,12 @@ def _align_permutation(
         use_memo = start is None and memo is not None and memo_key is not None
         first_key: tuple | None = None  # the memo's key: memo_key and the first iteration's assignment
 
+        single = speed.cost_dtype == "float32"  # the costs come from float32 GEMMs
+
         def solve(cost: np.ndarray, hint: np.ndarray) -> np.ndarray:
             if speed.certify:
-                return assign_with_hint(cost, hint, speed.lap_solver)[0]
-            return assign(cost, speed.lap_solver)
+                return assign_with_hint(cost, hint, speed.lap_solver, single)[0]
+            return assign(cost, speed.lap_solver, single)
 
         def global_layer(perms: list[np.ndarray], num: np.ndarray, den: np.ndarray) -> np.ndarray:
             if aggregation == "fisher":

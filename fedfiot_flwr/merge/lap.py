@@ -81,7 +81,7 @@ def resolve_solver(solver: str, size: int) -> str:
     return "scipy"
 
 
-def assign(cost: np.ndarray, solver: str = "scipy") -> np.ndarray:
+def assign(cost: np.ndarray, solver: str = "scipy", single: bool = False) -> np.ndarray:
     """Exact minimum-cost assignment; returns ``p`` with global neuron ``i`` <- client neuron ``p[i]``.
 
     Parameters
@@ -91,6 +91,10 @@ def assign(cost: np.ndarray, solver: str = "scipy") -> np.ndarray:
         matrix's own precision).
     solver : {"scipy", "lapjv", "lapjv-avx", "auto"}
         See the module's table; ``"auto"``: :func:`resolve_solver`.
+    single : bool
+        The matrix holds float32-accurate values (e.g. from float32 GEMMs) in float64: a solver
+        that can work in float32 (``"lapjv-avx"``, about 2.5x faster there) may. Other solvers
+        ignore it.
 
     Returns
     -------
@@ -112,6 +116,8 @@ def assign(cost: np.ndarray, solver: str = "scipy") -> np.ndarray:
     if solver == "lapjv-avx":
         lapjv = require("lapjv", "lapjv", "fast", "lap_solver='lapjv-avx'")
         matrix = np.ascontiguousarray(cost)
+        if single and matrix.dtype == np.float64:
+            matrix = matrix.astype(np.float32)
         x, _, _ = lapjv.lapjv(matrix, force_doubles=matrix.dtype == np.float64)
         return _permutation_or_scipy(x, cost)
     return _scipy(cost)
