@@ -73,11 +73,12 @@ def train(msg: Message, context: Context) -> Message:
     else:
         model = cfg.build_model(split)
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + 7919 * server_round + pid)
+    seed = cfg.client_round_seed(server_round, pid)
+    gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(split.clients[pid], batch_size=int(config.get("batch-size", cfg.batch_size)),
                         shuffle=True, generator=gen)
     device = default_device()
-    torch.manual_seed(cfg.seed * 100_003 + 7919 * server_round + pid)
+    torch.manual_seed(seed)
     # The Fisher runs over the same examples without augmentation (paper, eq. 106).
     fisherloader = DataLoader(split.client_eval(pid), batch_size=256)
     epochs, lr = int(config.get("local-epochs", cfg.local_epochs)), float(config.get("lr", cfg.lr))

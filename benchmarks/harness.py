@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks import portable
 from fedfiot_flwr.app_config import AppConfig
+from fedfiot_flwr.app_config import client_round_seed as client_seed
 from fedfiot_flwr.client import ClientRound, train_round
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec, merge
@@ -213,11 +214,6 @@ class Uploads:
         if upload not in UPLOADS:
             raise ValueError(f"upload must be one of {UPLOADS}, got {upload!r}")
         return self.quantized if upload == "q16" else self.float32
-
-
-def client_seed(seed: int, server_round: int, partition_id: int) -> int:
-    """Seed of a client's data order in a round (the Flower ClientApp's formula)."""
-    return seed * 100_003 + 7919 * server_round + partition_id
 
 
 def state_numpy(model: torch.nn.Module) -> Model:

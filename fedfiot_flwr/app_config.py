@@ -81,6 +81,15 @@ def _names_within(text: Any, allowed: Sequence[str]) -> bool:
     return all(name in allowed for name in parse_str_list(text, ""))
 
 
+def client_round_seed(seed: int, server_round: int, partition_id: int) -> int:
+    """Seed of a client's data order and augmentation in a round, from the run's ``seed``.
+
+    >>> client_round_seed(0, 1, 2)
+    7921
+    """
+    return seed * 100_003 + 7919 * server_round + int(partition_id)
+
+
 @dataclass(frozen=True)
 class Rule:
     """What one run-config key accepts.
@@ -435,6 +444,10 @@ class AppConfig:
 
         bundle = split.bundle
         return build_model(self.model, bundle.input_shape, bundle.num_classes, seed=self.seed if seed is None else seed)
+
+    def client_round_seed(self, server_round: int, partition_id: int) -> int:
+        """Seed of client ``partition_id``'s data order and augmentation in round ``server_round``."""
+        return client_round_seed(self.seed, server_round, partition_id)
 
     def client_init_seed(self, partition_id: int) -> int:
         """Seed of client ``partition_id``'s own random init under ``init = "independent"``."""
