@@ -240,7 +240,22 @@ def curvature_reply(
     return pack_gram_reply(state, input_grams(model, loader, device=dev), n, rank=rank, metrics=metrics)
 
 
-def train_and_pack(
+def train_and_pack(model: nn.Module, trainloader: Iterable[Any], epochs: int, **options: Any) -> RecordDict:
+    """This project's client round: train with OUR trainer, then :func:`fisher_reply`.
+
+    Uses :func:`fedfiot_flwr.task.train` (SGD with momentum, cosine schedule; metrics
+    ``train-loss``/``train-accuracy``). In your own app keep your own training loop and call
+    :func:`fisher_reply` instead. ``options`` are :func:`train_round`'s keyword parameters.
+
+    Returns
+    -------
+    RecordDict
+        The reply content: :attr:`ClientRound.reply` of :func:`train_round`.
+    """
+    return train_round(model, trainloader, epochs, **options).reply
+
+
+def train_round(
     model: nn.Module,
     trainloader: Iterable[Any],
     epochs: int,
@@ -251,12 +266,9 @@ def train_and_pack(
     num_examples: int | None = None,
     progress: bool | None = None,
     **train_kwargs: Any,
-) -> RecordDict:
-    """This project's client round: train with OUR trainer, then :func:`fisher_reply`.
-
-    Uses :func:`fedfiot_flwr.task.train` (SGD with momentum, cosine schedule; metrics
-    ``train-loss``/``train-accuracy``). In your own app keep your own training loop and call
-    :func:`fisher_reply` instead.
+) -> ClientRound:
+    """This project's client round (:func:`train_and_pack`), with the unquantized weights and Fisher
+    it packs and the time of each step.
 
     Parameters
     ----------
@@ -280,32 +292,6 @@ def train_and_pack(
     **train_kwargs
         Passed to :func:`fedfiot_flwr.task.train` (``lr``, ``momentum``, ``weight_decay``,
         ``augment``).
-
-    Returns
-    -------
-    RecordDict
-        The reply content.
-    """
-    return train_round(model, trainloader, epochs, fisher_kind=fisher_kind, device=device,
-                       fisherloader=fisherloader, num_examples=num_examples, progress=progress,
-                       **train_kwargs).reply
-
-
-def train_round(
-    model: nn.Module,
-    trainloader: Iterable[Any],
-    epochs: int,
-    *,
-    fisher_kind: str = "empirical",
-    device: torch.device | str | None = None,
-    fisherloader: Iterable[Any] | None = None,
-    num_examples: int | None = None,
-    progress: bool | None = None,
-    **train_kwargs: Any,
-) -> ClientRound:
-    """:func:`train_and_pack`, returning the unquantized weights and Fisher and the time of each step too.
-
-    The reply is :func:`train_and_pack`'s, byte for byte; the parameters are its parameters.
 
     Returns
     -------

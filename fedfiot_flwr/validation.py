@@ -19,8 +19,9 @@ full scoring).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -122,33 +123,35 @@ class SelectionScorer:
         self._chunks: list[Chunk] | None = None
         self._total = 0
 
-    def chunks(self, weights: Mapping[str, np.ndarray] | None = None) -> list[Chunk]:
+    def chunks(self, order_by_loaded_model: bool = False) -> list[Chunk]:
         """The fold's ``(inputs, labels)`` chunks on the device, fixed on first use.
 
-        On first use the loader is read; with ``hard_first`` and ``weights`` (the first model
-        scored), the fold is ordered by that model's errors first, each group by per-example loss,
-        highest first.
+        On first use the loader is read; with ``hard_first`` and ``order_by_loaded_model`` (the
+        first model scored is loaded), the fold is ordered by that model's errors first, each group
+        by per-example loss, highest first.
         """
         if self._chunks is None:
             batches = _read_fold(self.loader, self.device)
             order = None
-            if self.hard_first and weights is not None and self.chunk_size is not None:
-                self._load(weights)
-                losses, hits = (torch.cat(t).cpu() for t in zip(*(self._losses(x, y) for x, y in batches)))
+            if self.hard_first and order_by_loaded_model and self.chunk_size is not None:
+                with self._evaluating():
+                    logits = [(self.model(x), y) for x, y in batches]
+                    losses = torch.cat([F.cross_entropy(z, y, reduction="none") for z, y in logits]).cpu()
+                    hits = torch.cat([z.argmax(1) == y for z, y in logits]).cpu()
                 order = torch.argsort(-losses, stable=True)
                 order = order[torch.argsort(hits[order].to(torch.int8), stable=True)]  # its errors first
             self._chunks = _rechunk(batches, self.chunk_size, order)
             self._total = sum(int(y.shape[0]) for _, y in self._chunks)
         return self._chunks
 
-    def _losses(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-example cross-entropy and hits of the loaded model, in eval mode."""
+    @contextlib.contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """The loaded model in eval mode under ``torch.inference_mode``; its mode restored after."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
-                logits = self.model(x)
-                return F.cross_entropy(logits, y, reduction="none"), logits.argmax(1) == y
+                yield
         finally:
             self.model.train(was_training)
 
@@ -160,22 +163,17 @@ class SelectionScorer:
     def _scan(self, weights: Mapping[str, np.ndarray],
               stop: Callable[[int, float, int, int], bool] | None) -> dict[str, float] | None:
         """Score chunk after chunk; ``None`` as soon as ``stop(correct, loss_sum, seen, total)`` holds."""
-        chunks = self.chunks(weights)
         self._load(weights)
-        was_training = self.model.training
-        self.model.eval()
+        chunks = self.chunks(order_by_loaded_model=True)
         loss_sum, correct, seen = 0.0, 0, 0
-        try:
-            with torch.inference_mode():
-                for i, (x, y) in enumerate(chunks):
-                    logits = self.model(x)
-                    loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-                    correct += int((logits.argmax(1) == y).sum())
-                    seen += int(y.shape[0])
-                    if stop is not None and i + 1 < len(chunks) and stop(correct, loss_sum, seen, self._total):
-                        return None
-        finally:
-            self.model.train(was_training)
+        with self._evaluating():
+            for i, (x, y) in enumerate(chunks):
+                logits = self.model(x)
+                loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+                correct += int((logits.argmax(1) == y).sum())
+                seen += int(y.shape[0])
+                if stop is not None and i + 1 < len(chunks) and stop(correct, loss_sum, seen, self._total):
+                    return None
         return {"accuracy": float(correct / seen), "loss": float(loss_sum / seen)}
 
     def __call__(self, weights: Mapping[str, np.ndarray]) -> dict[str, float]:

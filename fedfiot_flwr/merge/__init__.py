@@ -15,9 +15,9 @@ FedFiOT                "fisher"      "fisher"
 =====================  ============  =============
 """
 
-from .costs import aggregate, assign, euclidean_cost_matrix, fisher_cost_matrix
+from .costs import aggregate, euclidean_cost_matrix, fisher_cost_matrix
 from .engine import FISHER_SCALINGS, MergeResult, PermutationReport, damp_fisher, merge, scale_fishers
-from .lap import LAP_SOLVERS
+from .lap import LAP_SOLVERS, assign
 from .presets import METHODS, method_options
 from .prepared import PreparedClients, prepare_clients
 from .speed import MergeSpeed

@@ -1,4 +1,4 @@
-"""Cost matrices, assignment and aggregation for one layer (pure numpy/scipy).
+"""Cost matrices and aggregation for one layer (pure numpy; the assignment is :mod:`.lap`'s).
 
 Shapes: global layer ``w`` is ``(m, d)``; a client's layer ``w_k`` and damped Fisher ``f_k``
 are ``(m, d)`` with incoming coordinates already in the global order. All matrices are built
@@ -15,7 +15,6 @@ import numpy as np
 from fedfiot_flwr.options import COST_DTYPES
 
 from .backend import Backend, NumpyBackend
-from .lap import assign as _assign
 
 
 def fisher_cost_matrix(w: np.ndarray, w_k: np.ndarray, f_k: np.ndarray) -> np.ndarray:
@@ -75,18 +74,6 @@ def euclidean_cost_matrices(
         product = w @ np.concatenate(chunk, axis=0).T
         for k, x in enumerate(chunk):
             yield row_norms - 2.0 * product[:, k * m:(k + 1) * m] + np.einsum("jc,jc->j", x, x)[None, :]
-
-
-def assign(cost: np.ndarray, solver: str = "scipy", single: bool = False) -> np.ndarray:
-    """Exact minimum-cost assignment; returns ``p`` with global neuron ``i`` <- client neuron ``p[i]``.
-
-    ``solver`` is scipy's (default) or an optional LAPJV package's; see
-    :func:`fedfiot_flwr.merge.lap.assign`.
-
-    >>> assign(np.array([[5., 1.], [1., 5.]])).tolist()
-    [1, 0]
-    """
-    return _assign(cost, solver, single)
 
 
 def aggregate(

@@ -28,8 +28,9 @@ from fedfiot_flwr.options import ModelView as Model
 
 from .backend import get_backend
 from .certify import assign_with_hint
-from .costs import ClientLayers, assign
+from .costs import ClientLayers
 from .dtypes import cast_average
+from .lap import assign
 from .parallel import lap_workers, solve_in_order
 from .prepared import FISHER_SCALINGS, PreparedClients, as_prepared, fisher_scale_factors, scaled_fisher
 from .reuse import AlignmentMemo, AlignmentTail, permutations_digest

@@ -18,6 +18,7 @@ from source (it needs a C++ compiler); ``pip install "fedfiot-flwr[fast]"`` inst
 
 from __future__ import annotations
 
+from functools import cache
 from importlib.util import find_spec
 
 import numpy as np
@@ -35,6 +36,7 @@ _PACKAGES = {"lapjv": "lap", "lapjv-avx": "lapjv"}
 """The importable package behind each optional solver."""
 
 
+@cache  # looked up once per process: "auto" resolves on every assignment
 def installed(solver: str) -> bool:
     """Whether ``solver``'s package is importable (scipy always is).
 
