@@ -15,7 +15,14 @@ chosen on the selection fold, then its model goes through the stage. The rows:
 - ``fresh-refined``: the stage from a freshly initialised model, the clients serving only as
   teachers (distillation, least-squares targets, candidates): the FedDF-style rival;
 - ``server-only``: a freshly initialised model fine-tuned with the stage's recipe on the fitting
-  fold's labels alone (cross-entropy, no clients), chosen on the selection fold.
+  fold's labels alone (cross-entropy, no clients), chosen on the selection fold;
+- ``<start>-anchored`` (``fedfiot-anchored``, ``fedavg-anchored``, ``regmean-anchored``,
+  ``best-single-client-anchored``): the same start through the stage with
+  ``RefineOptions(fisher_anchor=--anchor)``: fine-tuning runs whose loss also holds the clients'
+  Laplace approximations (their uploaded Fishers, in FedFiOT's neuron order for FedFiOT, as they
+  are for the others), offered next to the plain one;
+- ``fedfiot-l2anchored``, ``fedavg-l2anchored`` (ablation): the same, with every Fisher tensor
+  replaced by its mean, so the anchor keeps its strength and loses the Fisher's shape.
 
 Test accuracy on the data set's test split. Run::
 
@@ -48,8 +55,12 @@ from fedfiot_flwr.choose import best_index  # noqa: E402
 from fedfiot_flwr.options import Model  # noqa: E402
 from fedfiot_flwr.refine import RefineOptions, RefinementStage  # noqa: E402
 
+ANCHORED = {"fedfiot-anchored": "fedfiot-refined", "fedavg-anchored": "fedavg-refined",
+            "regmean-anchored": "regmean-refined", "best-single-client-anchored": "best-single-client-refined",
+            "fedfiot-l2anchored": "fedfiot-refined", "fedavg-l2anchored": "fedavg-refined"}
+"""Each anchored method and the start it shares with its plain refined row."""
 METHODS = ("fedfiot-refined", "fedfiot-refined-unaligned", "fedavg-refined", "regmean-refined",
-           "best-single-client-refined", "fresh-refined", "server-only")
+           "best-single-client-refined", "fresh-refined", "server-only", *ANCHORED)
 LABELS = {
     "fedfiot-refined": "FedFiOT default merge + refinement",
     "fedfiot-refined-unaligned": "FedFiOT default merge + refinement without its permutations (ablation)",
@@ -58,7 +69,21 @@ LABELS = {
     "best-single-client-refined": "best single client + refinement",
     "fresh-refined": "fresh model + refinement (clients as teachers only)",
     "server-only": "server-only (the 250 fitting labels alone, same recipe)",
+    "fedfiot-anchored": "FedFiOT default merge + refinement with the aligned clients' Fisher anchor",
+    "fedavg-anchored": "FedAvg + refinement with the clients' Fisher anchor",
+    "regmean-anchored": "RegMean + refinement with the clients' Fisher anchor",
+    "best-single-client-anchored": "best single client + refinement with the clients' Fisher anchor",
+    "fedfiot-l2anchored": "FedFiOT default merge + refinement with a flat anchor (ablation: each Fisher tensor "
+                          "replaced by its mean)",
+    "fedavg-l2anchored": "FedAvg + refinement with a flat anchor (ablation: each Fisher tensor replaced by its mean)",
 }
+
+
+def flat_fishers(fishers: Sequence[Model]) -> list[Model]:
+    """Each client's Fisher tensor replaced by its mean: the anchor keeps its strength per tensor and
+    client but loses the Fisher's shape (an L2 pull toward the size-weighted mean of the clients)."""
+    return [{k: np.full_like(np.asarray(v, dtype=np.float64), float(np.mean(v))) for k, v in f.items()}
+            for f in fishers]
 
 
 def _fresh(build: Callable[[], torch.nn.Module], seed: int) -> Model:
@@ -71,8 +96,10 @@ def starts(setting: H.Setting, split: Any, uploads: H.Uploads, build: Callable[[
            log: Callable[[str], None], methods: Sequence[str] = METHODS) -> dict[str, tuple[Model, Any]]:
     """The model of each of ``methods`` before the stage, with its permutations of the clients
     (``None``: unaligned); only the starts asked for are built."""
+    requested = set(methods)
     q = uploads.quantized
     out: dict[str, tuple[Model, Any]] = {}
+    methods = [*methods, *(ANCHORED[m] for m in methods if m in ANCHORED)]
     if {"fedfiot-refined", "fedfiot-refined-unaligned"} & set(methods):
         merged = S.fedfiot_merge_on_fold(uploads, spec, buffers, S.selection_evaluator(split, build), args.grid,
                                          setting.init)
@@ -89,7 +116,10 @@ def starts(setting: H.Setting, split: Any, uploads: H.Uploads, build: Callable[[
         out["best-single-client-refined"] = (q.weights[best_index(scores)], None)
     if "fresh-refined" in methods:
         out["fresh-refined"] = (_fresh(build, setting.seed), None)
-    return {m: start for m, start in out.items() if m in methods}
+    for anchored, plain in ANCHORED.items():
+        if plain in out:
+            out[anchored] = out[plain]
+    return {m: start for m, start in out.items() if m in requested}
 
 
 def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None],
@@ -99,15 +129,20 @@ def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None],
     build, spec, buffers = H.model_tools(setting, split)
     ev = H.Evaluator(split, build)
     uploads = H.one_shot_uploads(setting, split, buffers, args.cache_dir, None, log)
-    options = replace(RefineOptions(), seed=setting.seed)
+    options = replace(RefineOptions(), seed=setting.seed, keep_candidates=args.candidate_tests)
     stage = RefinementStage(build(), split.validation, options, spec=spec)
+    anchored = RefinementStage(build(), split.validation, replace(options, fisher_anchor=tuple(args.anchor)), spec=spec)
     q = uploads.quantized
     records = []
     base = H.record_fields(setting)
     for method, (model, perms) in starts(setting, split, uploads, build, spec, buffers, stage.validate_fn, args,
                                          log, methods).items():
         t0 = time.perf_counter()
-        refined, rep = stage.refine(model, q.weights, perms, q.num_examples)
+        if method in ANCHORED:
+            fishers = flat_fishers(q.fishers) if method.endswith("-l2anchored") else q.fishers
+            refined, rep = anchored.refine(model, q.weights, perms, q.num_examples, fishers=fishers)
+        else:
+            refined, rep = stage.refine(model, q.weights, perms, q.num_examples)
         records.append(_record(base, method, ev, refined, rep, time.perf_counter() - t0))
         log(f"  {method:28s} test {100 * records[-1]['test_accuracy']:5.1f}%  returned {rep.chosen}")
     if "server-only" in methods:
@@ -124,28 +159,72 @@ def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None],
 def _record(base: dict[str, Any], method: str, ev: H.Evaluator, model: Model, rep: Any,
             seconds: float) -> dict[str, Any]:
     _, acc = ev.test(model)
-    return {**base, "method": method, "test_accuracy": acc, "selection_accuracy": rep.selection_accuracy[rep.chosen],
-            "returned": rep.chosen, "refine_seconds": seconds}
+    out = {**base, "method": method, "test_accuracy": acc, "selection_accuracy": rep.selection_accuracy[rep.chosen],
+           "returned": rep.chosen, "refine_seconds": seconds, "candidates_selection": dict(rep.selection_accuracy)}
+    if rep.candidates:  # --candidate-tests: every candidate's test score, for the analysis (never selects)
+        out["candidates_test"] = {name: ev.test(state)[1] for name, state in rep.candidates.items()}
+    return out
 
 
-def markdown(records: Sequence[dict[str, Any]], command: str) -> str:
-    """The results page: one column per setting, mean ± std over seeds."""
-    cols = sorted({(r["dataset"], r["alpha"], r["init"], r["epochs"]) for r in records})
-    head = "| method | " + " | ".join(f"{d} α={a:g} {i} E={e}" for d, a, i, e in cols) + " |"
-    lines = ["# Server data may also fit: the same refinement after every method", "",
-             f"Command: `{command}`", "", head, "|---" * (len(cols) + 1) + "|"]
+def _cell(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r["dataset"], r["alpha"], r["init"], r["epochs"])
+
+
+def table(records: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one row per method, one column per setting, test accuracy mean ± std over seeds."""
+    cols = sorted({_cell(r) for r in records})
+    lines = ["| method | " + " | ".join(f"{d} α={a:g} {i} E={e}" for d, a, i, e in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
     for m in METHODS:
         cells = []
         for c in cols:
-            vals = [r["test_accuracy"] for r in records if r["method"] == m
-                    and (r["dataset"], r["alpha"], r["init"], r["epochs"]) == c]
-            seeds = len(vals)
-            cells.append(H.fmt_pct(*H.mean_std(vals)) + (f" (n={seeds})" if seeds > 1 else "") if vals else "")
+            vals = [r["test_accuracy"] for r in records if r["method"] == m and _cell(r) == c]
+            cells.append(H.fmt_pct(*H.mean_std(vals)) + (f" (n={len(vals)})" if len(vals) > 1 else "") if vals else "")
         if any(cells):
             lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
-    lines += ["", "Test accuracy (%), mean ± sample std over the seeds run (n = 1 where no n is given). Every row: "
-              "the same uploads, the same 250 fitting and 250 selection examples, the same `RefineOptions()`; "
-              "`returned` in the JSON names the candidate the selection fold chose."]
+    return "\n".join(lines)
+
+
+RIVALS = {
+    "fedfiot-refined": ("fedavg-refined", "regmean-refined", "best-single-client-refined", "fresh-refined",
+                        "server-only"),
+    "fedfiot-anchored": ("fedavg-anchored", "regmean-anchored", "best-single-client-anchored", "fresh-refined",
+                         "server-only"),
+}
+"""FedFiOT's row under each form of the stage, and the rows it must beat (the same stage after every
+rival; the fresh start and the server's labels alone have no anchored form)."""
+
+
+def margins(records: Sequence[dict[str, Any]]) -> str:
+    """Markdown: per setting and form of the stage, FedFiOT's margin over the best rival, per seed and on the mean."""
+    lines = ["| setting | FedFiOT row | seeds | FedFiOT | best rival (mean) | margin on the mean | margin per seed |",
+             "|---|---|---|---|---|---|---|"]
+    for c in sorted({_cell(r) for r in records}):
+        for ours, rivals in RIVALS.items():
+            acc = {(r["method"], r["seed"]): r["test_accuracy"] for r in records if _cell(r) == c}
+            seeds = sorted(s for m, s in acc if m == ours and all((v, s) in acc for v in rivals))
+            if not seeds:
+                continue
+            mean = {m: float(np.mean([acc[(m, s)] for s in seeds])) for m in (ours, *rivals)}
+            best = max(rivals, key=lambda m: mean[m])
+            per_seed = [100 * (acc[(ours, s)] - max(acc[(v, s)] for v in rivals)) for s in seeds]
+            lines.append(f"| {c[0]} α={c[1]:g} {c[2]} E={c[3]} | {LABELS[ours]} | {len(seeds)} | {100 * mean[ours]:.1f} | "
+                         f"{LABELS[best]} {100 * mean[best]:.1f} | {100 * (mean[ours] - mean[best]):+.1f} | "
+                         + " / ".join(f"{m:+.1f}" for m in per_seed) + " |")
+    return "\n".join(lines)
+
+
+def markdown(records: Sequence[dict[str, Any]], command: str) -> str:
+    """The results page: the table, then FedFiOT's margins."""
+    lines = ["# Server data may also fit: the same refinement after every method", "", f"Command: `{command}`", "",
+             table(records), "",
+             "Test accuracy (%), mean ± sample std over the seeds run (n = 1 where no n is given). Every row: "
+             "the same uploads, the same 250 fitting and 250 selection examples, the same `RefineOptions()` "
+             "(the anchored rows: with the clients' Fisher anchor); `returned` in the JSON names the candidate "
+             "the selection fold chose.", "",
+             "## FedFiOT's margin over the best other row given the same stage", "",
+             margins(records), "",
+             "Points of test accuracy; a seed's margin is against the best rival on that seed."]
     return "\n".join(lines) + "\n"
 
 
@@ -160,6 +239,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--epochs", nargs="+", type=int, default=[5])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--anchor", nargs="+", type=float, default=[0.1, 1.0],
+                   help="Fisher-anchor strengths of the -anchored rows")
+    p.add_argument("--candidate-tests", action="store_true",
+                   help="also record every refinement candidate's test accuracy (analysis only)")
     p.add_argument("--grid", default="small")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)

@@ -203,11 +203,17 @@ def test_equal_terms_runs_the_shipped_refinement_after_every_start(tmp_path: Pat
     from benchmarks import equal_terms
 
     equal_terms.main(["--dataset", "digits", "--model", "mlp", "--clients", "3", "--alphas", "0.5", "--inits", "independent",
-                      "--epochs", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path), "--name", "eq"])
+                      "--epochs", "1", "--anchor", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path),
+                      "--name", "eq"])
     recs = json.loads((tmp_path / "eq.json").read_text())["records"]
     assert {r["method"] for r in recs} == set(equal_terms.METHODS)
+    # The anchored rows tried the anchored fine-tuning next to the plain one; the others did not.
+    for r in recs:
+        anchored = any("a1(" in name for name in r["candidates_selection"])
+        assert anchored == (r["method"] in equal_terms.ANCHORED), r["method"]
     assert all(0.0 <= r["test_accuracy"] <= 1.0 and r["returned"] for r in recs)
     # The selection fold's score of what each row returned is what the refinement reported choosing.
     assert all(0.0 <= r["selection_accuracy"] <= 1.0 for r in recs)
     page = (tmp_path / "eq.md").read_text()
     assert "server-only" in page and str(tmp_path) not in page
+    assert "margin on the mean" in page and "Fisher anchor" in page

@@ -69,8 +69,11 @@ class PostMergeStage(Protocol):
         permutations: Permutations | None,
         num_examples: Sequence[int],
         client_ids: Sequence[str],
+        *,
+        fishers: Sequence[Model] = (),
     ) -> StageResult:
-        """Turn the aggregated ``model`` into the round's model."""
+        """Turn the aggregated ``model`` into the round's model (``fishers``: the clients' uploaded
+        diagonal Fishers in the same order, empty when the uploads carry none)."""
         ...
 
 
@@ -102,6 +105,8 @@ class ModelMapStage:
         permutations: Permutations | None,
         num_examples: Sequence[int],
         client_ids: Sequence[str],
+        *,
+        fishers: Sequence[Model] = (),
     ) -> StageResult:
         """``fn(model)``."""
         t0 = time.perf_counter()

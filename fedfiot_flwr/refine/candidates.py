@@ -28,7 +28,7 @@ from torch import nn
 from fedfiot_flwr.batches import split_batch
 from fedfiot_flwr.choose import BestSoFar, best_index
 from fedfiot_flwr.merge.spec import PermutationSpec, apply_permutations
-from fedfiot_flwr.refine.finetune import distill_finetune
+from fedfiot_flwr.refine.finetune import distill_finetune, laplace_anchor
 from fedfiot_flwr.refine.linalg import LayerMoments
 from fedfiot_flwr.refine.ops import (
     channels_last,
@@ -48,7 +48,7 @@ from fedfiot_flwr.refine.ops import (
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.options import Model
 
-__all__ = ["RefineReport", "refine_merged_model"]
+__all__ = ["RefineReport", "align_clients", "refine_merged_model"]
 
 
 
@@ -115,6 +115,27 @@ def _count_accuracy(model: nn.Module, loader: Iterable[Any]) -> float:
 # ----------------------------------------------------------------------------- entry point
 
 
+def align_clients(models: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec | None,
+                  permutations: Mapping[str, Sequence[np.ndarray]] | None) -> list[Model]:
+    """Each client's tensors (weights, or a Fisher of the same layout) in the merge's neuron order.
+
+    ``permutations[p][k]`` is client ``k``'s permutation of hidden layer ``p``; without
+    permutations (or a spec) the clients are returned as they are.
+
+    Raises
+    ------
+    ValueError
+        When a permutation does not have one entry per client.
+    """
+    if not permutations or spec is None:
+        return [{n: np.asarray(v) for n, v in m.items()} for m in models]
+    for p, per_client in permutations.items():
+        if len(per_client) != len(models):
+            raise ValueError(f"permutation {p!r} has {len(per_client)} entries for {len(models)} clients")
+    return [apply_permutations(dict(m), spec, {p: np.asarray(pc[k]) for p, pc in permutations.items()})
+            for k, m in enumerate(models)]
+
+
 @dataclass(frozen=True)
 class _Recipe:
     """How a refined candidate is built from the merge: REPAIR, then least squares, then fine-tuning."""
@@ -122,6 +143,7 @@ class _Recipe:
     repair: bool = False
     ridge: float | None = None
     epochs: int = 0
+    anchor: float | None = None
 
 
 @dataclass
@@ -183,6 +205,7 @@ def refine_merged_model(
     options: RefineOptions = RefineOptions(),
     log: Callable[[str], None] | None = None,
     *,
+    fishers: Sequence[Mapping[str, np.ndarray]] | None = None,
     reference: bool = False,
 ) -> tuple[Model, RefineReport]:
     """Refine a merged model on server data and return the best candidate on the selection fold.
@@ -209,6 +232,9 @@ def refine_merged_model(
         Candidates and data knobs.
     log : callable, optional
         Progress lines.
+    fishers : sequence of dict, optional
+        The clients' diagonal Fishers (dequantized, in ``clients``' order and layout), put in
+        the merge's order with their clients; needed by ``options.fisher_anchor``.
     reference : bool
         Run the reference implementation, which returns the same model up to rounding at a
         higher cost (for measurements): separate forward passes for the label weights, the
@@ -231,22 +257,21 @@ def refine_merged_model(
     start = time.perf_counter()
     if not clients:
         raise ValueError("refine_merged_model needs at least one client model")
-    aligned: list[Model] = []
     for k, c in enumerate(clients):
         missing = [n for n in merged if n not in c]
         if missing:
             raise ValueError(f"client {k}: upload lacks tensors {missing[:5]}")
-        if permutations and spec is not None:
-            perms = {}
-            for p, per_client in permutations.items():
-                if len(per_client) != len(clients):
-                    raise ValueError(f"permutation {p!r} has {len(per_client)} entries for {len(clients)} clients")
-                perms[p] = np.asarray(per_client[k])
-            aligned.append(apply_permutations(dict(c), spec, perms))
-        else:
-            aligned.append({n: np.asarray(v) for n, v in c.items()})
+    aligned = align_clients(clients, spec, permutations)
     if options.target_weights == "size" and (num_examples is None or len(num_examples) != len(clients)):
         raise ValueError("target_weights='size' needs num_examples for every client")
+    aligned_fishers: list[Model] = []
+    if options.fisher_anchor and options.finetune_epochs > 0:
+        if fishers is None or len(fishers) != len(clients) or num_examples is None or len(num_examples) != len(clients):
+            raise ValueError("RefineOptions.fisher_anchor needs every client's Fisher and size")
+        empty = [k for k, f in enumerate(fishers) if not f]
+        if empty:
+            raise ValueError(f"client {empty[0]}: no Fisher for the Fisher anchor")
+        aligned_fishers = align_clients(fishers, spec, permutations)
     weights = [1.0 / len(clients)] * len(clients)  # REPAIR's statistics: plain client average
     if options.target_weights == "size":
         weights = [float(n) / float(sum(num_examples)) for n in num_examples]  # type: ignore[arg-type]
@@ -282,8 +307,10 @@ def refine_merged_model(
             recalibrate_batchnorm(model, on.batches)
         yield 0, model_state(model)
         if recipe.epochs > 0:
+            anchor = None if recipe.anchor is None else laplace_anchor(
+                aligned, aligned_fishers, num_examples, sum(len(b) for b in on.batches), recipe.anchor)  # type: ignore[arg-type]
             yield from distill_finetune(model, on.ft_batches, on.ft_labels, on.teacher, options,
-                                        stop_after=recipe.epochs, reference=reference)
+                                        stop_after=recipe.epochs, reference=reference, anchor=anchor)
 
     recipes: dict[str, _Recipe] = {"repair": _Recipe(repair=True)} if options.repair else {}
     for r in options.ridges:
@@ -333,6 +360,14 @@ def refine_merged_model(
         if not tuned and not offer_starts and start_name != "merged":
             # The fine-tuning diverged at once: the best start (the merge is already offered) competes after all.
             offer(start_name, start_state)
+        for strength in options.fisher_anchor:
+            # The same run from the same start with the clients' Laplace penalty in the loss.
+            anchored = replace(start_recipe, anchor=strength)
+            for epoch, state in build(anchored, data):
+                if epoch > 0:
+                    name = f"ft{epoch}a{strength:g}({start_name})"
+                    recipes[name] = replace(anchored, epochs=epoch)
+                    consider(name, state)
     if options.client_candidates:
         for k, c in enumerate(clients):
             consider(f"client-{k}", {n: np.asarray(v) for n, v in c.items()})

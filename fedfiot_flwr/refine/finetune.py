@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import contextlib
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -14,12 +17,83 @@ from fedfiot_flwr.refine.ops import channels_last, model_state
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.options import Model
 
-__all__ = ["distill_finetune"]
+__all__ = ["FisherAnchor", "distill_finetune", "laplace_anchor"]
+
+
+@dataclass(frozen=True)
+class FisherAnchor:
+    r"""The clients' Laplace approximations as a penalty on the fine-tuned weights.
+
+    .. math::
+        R(\theta) = \frac{\gamma}{2} \sum_c P_c (\theta_c - m_c)^2,
+        \qquad P = \sum_k \frac{n_k}{n} F_k, \qquad m = P^{-1} \sum_k \frac{n_k}{n} F_k w_k
+
+    with :math:`w_k, F_k` client :math:`k`'s (aligned) weights and diagonal Fisher and :math:`n`
+    the fitting rows: up to a constant, :math:`\gamma \sum_k \frac{n_k}{2n} \sum_c F_{k,c}
+    (\theta_c - w_{k,c})^2`, the clients' log-likelihoods per fitting example. With
+    :math:`\gamma = 1` the fine-tuning minimises the server's loss plus that: a MAP estimate of
+    the model given every client's data and the server's.
+
+    Attributes
+    ----------
+    center, precision : dict[str, torch.Tensor]
+        :math:`m` and :math:`P` per parameter name.
+    strength : float
+        :math:`\gamma`.
+    """
+
+    center: Mapping[str, torch.Tensor]
+    precision: Mapping[str, torch.Tensor]
+    strength: float
+
+    def penalty(self, model: nn.Module) -> torch.Tensor:
+        """:math:`R(\theta)` at ``model``'s parameters."""
+        total = torch.zeros((), device=next(model.parameters()).device)
+        for name, p in model.named_parameters():
+            if name in self.precision:
+                total = total + (self.precision[name].to(p.device) * (p - self.center[name].to(p.device)) ** 2).sum()
+        return 0.5 * self.strength * total
+
+
+def laplace_anchor(weights: Sequence[Mapping[str, np.ndarray]], fishers: Sequence[Mapping[str, np.ndarray]],
+                   num_examples: Sequence[int], rows: int, strength: float) -> FisherAnchor:
+    """:class:`FisherAnchor` of the clients' (aligned) ``weights`` and ``fishers`` for ``rows`` fitting rows.
+
+    Every tensor that has a Fisher is anchored; entries no client's Fisher covers (all zero)
+    get precision 0 and are free.
+
+    >>> a = laplace_anchor([{"w": np.array([0.0, 4.0])}, {"w": np.array([2.0, 8.0])}],
+    ...                    [{"w": np.array([1.0, 0.0])}, {"w": np.array([3.0, 0.0])}], [10, 10], 10, 1.0)
+    >>> a.center["w"].tolist(), a.precision["w"].tolist()
+    ([1.5, 0.0], [4.0, 0.0])
+    """
+    if not (len(weights) == len(fishers) == len(num_examples)) or not weights:
+        raise ValueError(f"the Fisher anchor needs one Fisher and size per client: {len(weights)} clients, "
+                         f"{len(fishers)} Fishers, {len(num_examples)} sizes")
+    if rows < 1 or not (math.isfinite(strength) and strength > 0):
+        raise ValueError(f"the Fisher anchor needs rows >= 1 and a finite strength > 0, got {rows}, {strength}")
+    center: dict[str, torch.Tensor] = {}
+    precision: dict[str, torch.Tensor] = {}
+    for name in fishers[0]:
+        p = np.zeros(np.shape(fishers[0][name]), dtype=np.float64)
+        pw = np.zeros_like(p)
+        for k, (w, f) in enumerate(zip(weights, fishers)):
+            fk = np.asarray(f[name], dtype=np.float64)
+            if fk.shape != p.shape or not np.all(np.isfinite(fk)) or (fk < 0).any():
+                raise ValueError(f"client {k}: Fisher {name!r} is not a finite, non-negative {p.shape} array")
+            s = float(num_examples[k]) / rows
+            p += s * fk
+            pw += s * fk * np.asarray(w[name], dtype=np.float64)
+        m = np.divide(pw, p, out=np.zeros_like(p), where=p > 0)
+        center[name] = torch.as_tensor(m, dtype=torch.float32)
+        precision[name] = torch.as_tensor(p, dtype=torch.float32)
+    return FisherAnchor(center, precision, float(strength))
 
 
 def distill_finetune(
     model: nn.Module, batches: Sequence[torch.Tensor], labels: torch.Tensor, teacher: Sequence[torch.Tensor],
     options: RefineOptions, stop_after: int | None = None, reference: bool = False,
+    anchor: FisherAnchor | None = None,
 ) -> Iterable[tuple[int, Model]]:
     """Fine-tune ``model`` in place on the fitting rows; yields ``(epoch, state)`` at its checkpoints.
 
@@ -35,7 +109,8 @@ def distill_finetune(
     gradient norm clipped at 5, rows reshuffled every epoch (seeded). Stops early (yielding
     nothing more) if the loss stops being finite. Image batches train channels-last
     (:func:`~fedfiot_flwr.refine.ops.channels_last`: the same steps up to rounding);
-    ``reference`` keeps the default memory layout.
+    ``reference`` keeps the default memory layout. An ``anchor`` adds its penalty
+    (:class:`FisherAnchor`) to every step's loss.
     """
     x = torch.cat(list(batches))
     t = torch.cat(list(teacher))
@@ -64,6 +139,8 @@ def distill_finetune(
                 lab = has_label[idx]
                 ce = F.cross_entropy(out[lab], y[idx][lab]) if bool(lab.any()) else out.sum() * 0.0
                 loss = beta * kd + (1 - beta) * ce
+                if anchor is not None:
+                    loss = loss + anchor.penalty(model)
                 if not bool(torch.isfinite(loss)):
                     return
                 opt.zero_grad()

@@ -75,6 +75,12 @@ class RefineOptions:
         Distillation temperature (> 0).
     refit : bool
         After the choice, build the chosen recipe again on both folds together.
+    fisher_anchor : tuple[float, ...]
+        Strengths (> 0) of the Fisher anchor: each adds a fine-tuning run from the same start
+        whose loss also holds the clients' Laplace approximations, ``strength / 2 * sum_k
+        (n_k / n) * sum_c F_k[c] (theta_c - w_k[c])^2`` over the (aligned) clients' weights
+        ``w_k`` and diagonal Fishers ``F_k`` (:class:`fedfiot_flwr.refine.finetune.FisherAnchor`).
+        Strength 1 is the posterior of the clients' and the server's data. Empty: off.
     """
 
     ridges: tuple[float, ...] = (1e-2, 1e-1)
@@ -93,11 +99,15 @@ class RefineOptions:
     distill_weight: float = 0.5
     temperature: float = 2.0
     refit: bool = False
+    fisher_anchor: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ridges", tuple(float(r) for r in self.ridges))
         _require(all(math.isfinite(r) and r > 0 for r in self.ridges), "ridges", "a tuple of finite values > 0",
                  self.ridges)
+        object.__setattr__(self, "fisher_anchor", tuple(float(r) for r in self.fisher_anchor))
+        _require(all(math.isfinite(r) and r > 0 for r in self.fisher_anchor), "fisher_anchor",
+                 "a tuple of finite values > 0", self.fisher_anchor)
         for name in ("augment_copies", "finetune_epochs", "checkpoint_every", "seed"):
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
@@ -124,6 +134,9 @@ class RefineOptions:
             parts.append(f"{self.finetune_epochs} epochs of distillation fine-tuning "
                          f"({self.finetune_schedule} learning rate from {self.finetune_lr:g}"
                          f"{f', {self.augment_copies} augmented copies of each example' if self.augment_copies else ''})")
+            if self.fisher_anchor:
+                parts.append("the same with the clients' Fisher anchor (strength "
+                             + ", ".join(f"{r:g}" for r in self.fisher_anchor) + ")")
         if self.ridges:
             parts.append("least-squares refits of each layer (ridge " + ", ".join(f"{r:g}" for r in self.ridges)
                          + ")" + (" as starts only" if self.finetune_epochs > 0 and not self.offer_starts else ""))

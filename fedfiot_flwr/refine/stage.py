@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+from dataclasses import replace
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -173,11 +174,18 @@ class RefinementStage:
         clients: Sequence[Mapping[str, np.ndarray]],
         permutations: Mapping[str, Sequence[np.ndarray]] | None = None,
         num_examples: Sequence[int] | None = None,
+        fishers: Sequence[Mapping[str, np.ndarray]] | None = None,
     ) -> tuple[Model, RefineReport]:
         """:func:`~fedfiot_flwr.refine.refine_merged_model` on the two folds."""
+        return self._refine(merged, clients, permutations, num_examples, fishers, self.options)
+
+    def _refine(self, merged: Mapping[str, np.ndarray], clients: Sequence[Mapping[str, np.ndarray]],
+                permutations: Mapping[str, Sequence[np.ndarray]] | None, num_examples: Sequence[int] | None,
+                fishers: Sequence[Mapping[str, np.ndarray]] | None, options: RefineOptions) -> tuple[Model, RefineReport]:
         return refine_merged_model(
             merged, clients, self._scratch, self.fit_loader, self.select_loader, spec=self.spec,
-            permutations=permutations, num_examples=num_examples, options=self.options, log=self.progress,
+            permutations=permutations, num_examples=num_examples, options=options, log=self.progress,
+            fishers=fishers,
         )
 
     def __call__(
@@ -187,6 +195,8 @@ class RefinementStage:
         permutations: Mapping[str, Sequence[np.ndarray]] | None,
         num_examples: Sequence[int],
         client_ids: Sequence[str] = (),
+        *,
+        fishers: Sequence[Mapping[str, np.ndarray]] = (),
     ) -> StageResult:
         """Refine ``model``; the result names the returned candidate in plain words.
 
@@ -202,6 +212,10 @@ class RefinementStage:
             Client sizes.
         client_ids : sequence of str
             Client names (for the plain-words description).
+        fishers : sequence of dict
+            The clients' uploaded diagonal Fishers (for ``options.fisher_anchor``). When the
+            anchor is asked for and a client has none, the round runs without the anchored
+            candidates and says so in the log.
 
         Returns
         -------
@@ -209,7 +223,13 @@ class RefinementStage:
             ``metrics["selection-fold-accuracy"]`` is the returned model's accuracy on the
             examples that chose it: optimistic, not a test score.
         """
-        out, rep = self.refine(model, clients, permutations, num_examples)
+        options = self.options
+        if options.fisher_anchor and (len(fishers) != len(clients) or not all(fishers)):
+            logger.warning("server refinement: the Fisher anchor needs every client's Fisher (%d of %d "
+                           "uploads carry one); this round's fine-tuning runs without it",
+                           sum(bool(f) for f in fishers), len(clients))
+            options = replace(options, fisher_anchor=())
+        out, rep = self._refine(model, clients, permutations, num_examples, fishers or None, options)
         returned = describe_candidate(rep.chosen, rep.fit_examples, [str(c) for c in client_ids])
         metrics = {
             "refine-seconds": float(rep.seconds),

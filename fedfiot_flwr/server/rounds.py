@@ -219,7 +219,8 @@ class RoundMerger:
     def _post_merge(self, model: Model, uploads: CollectedUploads,
                     permutations: Mapping[str, Sequence[np.ndarray]] | None) -> StageResult:
         assert self.post_merge is not None
-        return self.post_merge(model, uploads.weights, permutations, uploads.num_examples, uploads.client_ids)
+        return self.post_merge(model, uploads.weights, permutations, uploads.num_examples, uploads.client_ids,
+                               fishers=uploads.fishers)
 
     def _log(self, server_round: int, outcome: AggregateOutcome, validation: Mapping[str, float] | None,
              stage: StageResult | None, seconds: float, uploads: CollectedUploads) -> None:
