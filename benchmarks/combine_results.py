@@ -6,6 +6,9 @@ are merged per cell and seed (times summed), and the markdown page, JSON and plo
 rendered with ``one_shot.py``'s own functions.
 
     .venv/bin/python benchmarks/combine_results.py runs/*.json --name one_shot
+
+``--equal-terms equal_terms.json`` adds the second protocol (server data may also fit:
+``benchmarks/equal_terms.py``'s records, kept under the payload's ``"equal_terms"`` key) to the page.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
     sums = list(settings.values())
     wall = sum(p["timing"]["wall_seconds"] for p in payloads)
     ordered = sorted(records.values(), key=lambda r: (r["epochs"], r["alpha"], r["init"] != "shared", r["seed"]))
+    equal_terms = next((p["equal_terms"] for p in reversed(payloads) if p.get("equal_terms")), None)
     return {
         "command": " ; ".join(commands),
         "machine": payloads[-1]["machine"],
@@ -75,6 +79,7 @@ def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
             "cached_settings": sum(bool(s["cached"]) for s in sums),
             "complete": True,
         },
+        **({"equal_terms": equal_terms} if equal_terms else {}),
     }
 
 
@@ -84,8 +89,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=H.RESULTS_DIR)
     p.add_argument("--name", default="one_shot")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--equal-terms", type=Path, default=None,
+                   help="an equal_terms.py JSON: its records become the page's second protocol")
     args = p.parse_args(argv)
     payload = combine([json.loads(f.read_text()) for f in args.inputs])
+    if args.equal_terms is not None:
+        payload["equal_terms"] = json.loads(args.equal_terms.read_text())["records"]
     rows = [m for m in payload["methods"] if m != "fedfiot-own"]
     methods = one_shot.table_methods(rows)
     args.out.mkdir(parents=True, exist_ok=True)

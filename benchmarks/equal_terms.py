@@ -2,27 +2,27 @@
 
 Every row below gets the same uploads and the same 500 server examples, split the same way into a
 250-example fitting fold and a 250-example selection fold (the shipped
-:class:`fedfiot_flwr.refine.RefinementStage` with ``RefineOptions()``): each method's knobs are
-chosen on the selection fold, then its model goes through the stage. The rows:
+:class:`fedfiot_flwr.refine.RefinementStage`): each method's knobs are chosen on the selection
+fold, then its model goes through the stage. The rows with the shipped stage, ``RefineOptions()``,
+whose fine-tuning also runs with the clients' Fisher anchor (their uploaded Fishers; in FedFiOT's
+neuron order for FedFiOT, as they are for the others):
 
-- ``fedfiot-refined``: FedFiOT's default merge (no FedAvg candidate, as the strategy runs it with
+- ``fedfiot-anchored``: FedFiOT's default merge (no FedAvg candidate, as the strategy runs it with
   ``refine``), then the stage with the merge's permutations;
-- ``fedfiot-refined-unaligned``: the same merge through the same stage without its permutations (the
-  clients taken as they are): what the alignment adds to the refinement;
-- ``fedavg-refined``, ``regmean-refined``, ``best-single-client-refined``: the same stage after
+- ``fedavg-anchored``, ``regmean-anchored``, ``best-single-client-anchored``: the same stage after
   FedAvg, RegMean (alpha chosen on the selection fold) and the client that scores best on the
   selection fold;
-- ``fresh-refined``: the stage from a freshly initialised model, the clients serving only as
-  teachers (distillation, least-squares targets, candidates): the FedDF-style rival;
+- ``fresh-anchored``: the stage from a freshly initialised model, the clients serving only as
+  teachers, least-squares targets, anchor and candidates: the FedDF-style rival;
 - ``server-only``: a freshly initialised model fine-tuned with the stage's recipe on the fitting
-  fold's labels alone (cross-entropy, no clients), chosen on the selection fold;
-- ``<start>-anchored`` (``fedfiot-anchored``, ``fedavg-anchored``, ``regmean-anchored``,
-  ``best-single-client-anchored``): the same start through the stage with
-  ``RefineOptions(fisher_anchor=--anchor)``: fine-tuning runs whose loss also holds the clients'
-  Laplace approximations (their uploaded Fishers, in FedFiOT's neuron order for FedFiOT, as they
-  are for the others), offered next to the plain one;
-- ``fedfiot-l2anchored``, ``fedavg-l2anchored`` (ablation): the same, with every Fisher tensor
-  replaced by its mean, so the anchor keeps its strength and loses the Fisher's shape.
+  fold's labels alone (cross-entropy, no clients), chosen on the selection fold.
+
+The same starts through the stage without the anchor (``--anchor`` sets the anchored rows'
+strengths): ``fedfiot-refined``, ``fedavg-refined``, ``regmean-refined``,
+``best-single-client-refined``, ``fresh-refined``; and two ablations:
+``fedfiot-refined-unaligned`` (FedFiOT's merge without its permutations: what the alignment adds)
+and ``fedfiot-l2anchored`` / ``fedavg-l2anchored`` (every Fisher tensor replaced by its mean: the
+anchor keeps its strength and loses the Fisher's shape).
 
 Test accuracy on the data set's test split. Run::
 
@@ -57,22 +57,26 @@ from fedfiot_flwr.refine import RefineOptions, RefinementStage  # noqa: E402
 
 ANCHORED = {"fedfiot-anchored": "fedfiot-refined", "fedavg-anchored": "fedavg-refined",
             "regmean-anchored": "regmean-refined", "best-single-client-anchored": "best-single-client-refined",
-            "fedfiot-l2anchored": "fedfiot-refined", "fedavg-l2anchored": "fedavg-refined"}
+            "fresh-anchored": "fresh-refined", "fedfiot-l2anchored": "fedfiot-refined", "fedavg-l2anchored": "fedavg-refined"}
 """Each anchored method and the start it shares with its plain refined row."""
-METHODS = ("fedfiot-refined", "fedfiot-refined-unaligned", "fedavg-refined", "regmean-refined",
-           "best-single-client-refined", "fresh-refined", "server-only", *ANCHORED)
+METHODS = ("fedfiot-anchored", "fedavg-anchored", "regmean-anchored", "best-single-client-anchored", "fresh-anchored",
+           "server-only", "fedfiot-refined", "fedfiot-refined-unaligned", "fedavg-refined", "regmean-refined",
+           "best-single-client-refined", "fresh-refined", "fedfiot-l2anchored", "fedavg-l2anchored")
+"""Table order: the shipped stage (``RefineOptions()``, with the Fisher anchor) after every start, the
+server's labels alone, the stage without the anchor, the ablations."""
 LABELS = {
-    "fedfiot-refined": "FedFiOT default merge + refinement",
-    "fedfiot-refined-unaligned": "FedFiOT default merge + refinement without its permutations (ablation)",
-    "fedavg-refined": "FedAvg + refinement",
-    "regmean-refined": "RegMean + refinement",
-    "best-single-client-refined": "best single client + refinement",
-    "fresh-refined": "fresh model + refinement (clients as teachers only)",
+    "fedfiot-refined": "FedFiOT default merge + refinement without the Fisher anchor",
+    "fedfiot-refined-unaligned": "FedFiOT default merge + refinement without the anchor and without its permutations (ablation)",
+    "fedavg-refined": "FedAvg + refinement without the Fisher anchor",
+    "regmean-refined": "RegMean + refinement without the Fisher anchor",
+    "best-single-client-refined": "best single client + refinement without the Fisher anchor",
+    "fresh-refined": "fresh model + refinement without the Fisher anchor (clients as teachers only)",
     "server-only": "server-only (the 250 fitting labels alone, same recipe)",
-    "fedfiot-anchored": "FedFiOT default merge + refinement with the aligned clients' Fisher anchor",
-    "fedavg-anchored": "FedAvg + refinement with the clients' Fisher anchor",
-    "regmean-anchored": "RegMean + refinement with the clients' Fisher anchor",
-    "best-single-client-anchored": "best single client + refinement with the clients' Fisher anchor",
+    "fedfiot-anchored": "FedFiOT default merge + refinement (with the aligned clients' Fisher anchor)",
+    "fedavg-anchored": "FedAvg + refinement (with the clients' Fisher anchor)",
+    "regmean-anchored": "RegMean + refinement (with the clients' Fisher anchor)",
+    "best-single-client-anchored": "best single client + refinement (with the clients' Fisher anchor)",
+    "fresh-anchored": "fresh model + refinement (clients as teachers and Fisher anchor only)",
     "fedfiot-l2anchored": "FedFiOT default merge + refinement with a flat anchor (ablation: each Fisher tensor "
                           "replaced by its mean)",
     "fedavg-l2anchored": "FedAvg + refinement with a flat anchor (ablation: each Fisher tensor replaced by its mean)",
@@ -186,13 +190,13 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 
 
 RIVALS = {
+    "fedfiot-anchored": ("fedavg-anchored", "regmean-anchored", "best-single-client-anchored", "fresh-anchored",
+                         "server-only"),
     "fedfiot-refined": ("fedavg-refined", "regmean-refined", "best-single-client-refined", "fresh-refined",
                         "server-only"),
-    "fedfiot-anchored": ("fedavg-anchored", "regmean-anchored", "best-single-client-anchored", "fresh-refined",
-                         "server-only"),
 }
 """FedFiOT's row under each form of the stage, and the rows it must beat (the same stage after every
-rival; the fresh start and the server's labels alone have no anchored form)."""
+rival; the server's labels alone have no clients to anchor to)."""
 
 
 def margins(records: Sequence[dict[str, Any]]) -> str:
@@ -239,8 +243,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--epochs", nargs="+", type=int, default=[5])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--anchor", nargs="+", type=float, default=[0.1, 1.0],
-                   help="Fisher-anchor strengths of the -anchored rows")
+    p.add_argument("--anchor", nargs="+", type=float, default=list(RefineOptions().fisher_anchor),
+                   help="Fisher-anchor strengths of the -anchored rows (default: RefineOptions()'s)")
     p.add_argument("--candidate-tests", action="store_true",
                    help="also record every refinement candidate's test accuracy (analysis only)")
     p.add_argument("--grid", default="small")

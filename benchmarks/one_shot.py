@@ -208,6 +208,20 @@ def table_methods(methods: Sequence[str]) -> list[str]:
     return out
 
 
+def _equal_terms_section(payload: dict[str, Any]) -> list[str]:
+    """The "server data may also fit" protocol's table and margins, when the payload holds its records."""
+    recs = payload.get("equal_terms")
+    if not recs:
+        return []
+    from benchmarks import equal_terms  # the page's second protocol; equal_terms does not import this module
+
+    return ["## Server data may also fit: the same refinement after every method (`equal_terms.py`)", "",
+            "Every row below: the same uploads, the 500 server examples split into 250 that fit and 250 that "
+            "choose, the same stage after every start; `server-only` is the 250 fitting labels alone.", "",
+            equal_terms.table(recs), "", "Test accuracy (%), mean ± sample std over the seeds run.", "",
+            equal_terms.margins(recs), ""]
+
+
 def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
     """The results page: command, machine, timing, tables."""
     recs = payload["records"]
@@ -243,6 +257,7 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
         "",
         S.default_comparison(payload),
         "",
+        *_equal_terms_section(payload),
         "## Validation accuracy of the chosen knobs",
         "",
         H.accuracy_table(recs, methods, "validation_accuracy").replace("Test accuracy", "Validation accuracy"),

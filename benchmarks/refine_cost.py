@@ -13,7 +13,8 @@ the paths interleaved (their order rotates from cell to cell):
   passes, the default memory layout, ``torch.no_grad``;
 - ``same recipe``: the shipped passes with ``TODAY``'s recipe (the returned model is the
   reference's up to rounding, as ``tests/test_refine_speed.py`` checks);
-- ``shipped``: the shipped passes with ``RefineOptions()``, where its recipe is not ``TODAY``'s;
+- ``shipped``: the shipped passes with ``RefineOptions()``, where its recipe is not ``TODAY``'s
+  (its Fisher-anchored fine-tuning runs included: every path gets the uploads' Fishers);
 - any ``--recipes`` given as ``c<copies>e<epochs>[b<batch>][l<learning rate>]`` (e.g.
   ``c3e10`` or ``c8e5l0.03``): the shipped passes with those fine-tuning rows, epochs, batch and
   learning rate (the rest as ``TODAY``).
@@ -52,8 +53,9 @@ from benchmarks.resnet import subset_cache, subset_uploads  # noqa: E402
 from fedfiot_flwr.baselines import size_weighted_average  # noqa: E402
 from fedfiot_flwr.refine import RefineOptions, refine_merged_model  # noqa: E402
 
-TODAY = replace(RefineOptions(), finetune_epochs=20, augment_copies=8, finetune_batch=50)
-"""The recipe the reference path runs: 20 epochs of distillation on 8 augmented copies, batches of 50."""
+TODAY = replace(RefineOptions(), finetune_epochs=20, augment_copies=8, finetune_batch=50, fisher_anchor=())
+"""The recipe the reference path runs: 20 epochs of distillation on 8 augmented copies, batches of 50,
+no Fisher-anchored runs."""
 QUICK = {"finetune_epochs": 1, "augment_copies": 1}
 """``--quick``: every path's recipe shrunk to one epoch on one augmented copy."""
 FIXED_PATHS = ("reference", "same recipe", "shipped")
@@ -101,6 +103,7 @@ class Cell:
 
     setting: H.Setting
     clients: list[dict[str, np.ndarray]]
+    fishers: list[dict[str, np.ndarray]]
     num_examples: list[int]
     start: dict[str, np.ndarray]
     build: Callable[[], torch.nn.Module]
@@ -127,7 +130,7 @@ def build_cell(cell: str, args: argparse.Namespace, log: Callable[[str], None]) 
     folds = {name: Subset(split.validation, idx.tolist())
              for name, idx in (("fit", fit), ("select", select), ("audit", audit))}
     cpu = torch.device("cpu")
-    return Cell(setting, list(q.weights), list(q.num_examples), size_weighted_average(q.weights, q.num_examples),
+    return Cell(setting, list(q.weights), list(q.fishers), list(q.num_examples), size_weighted_average(q.weights, q.num_examples),
                 build, folds, H.Evaluator(replace(split, validation=folds["audit"]), build, cpu),
                 H.Evaluator(split, build, cpu))
 
@@ -139,7 +142,8 @@ def run_path(cell: Cell, path: Variant) -> dict[str, Any]:
     select = DataLoader(cell.folds["select"], batch_size=500)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     model, report = refine_merged_model(cell.start, cell.clients, cell.build(), fit, select,
-                                        num_examples=cell.num_examples, options=options, reference=path.reference)
+                                        num_examples=cell.num_examples, options=options, reference=path.reference,
+                                        fishers=cell.fishers)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     audit = cell.audit.validate(model)
     return {"cpu_seconds": cpu, "wall_seconds": wall, "returned": report.chosen,

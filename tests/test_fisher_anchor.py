@@ -101,13 +101,16 @@ def test_the_anchored_run_is_pulled_toward_the_clients() -> None:
     assert set(report.selection_accuracy) >= {"merged", "ft8(merged)", "ft8a2(merged)"}
 
 
-def test_the_anchor_needs_every_clients_fisher() -> None:
+def test_without_fishers_the_anchored_runs_are_skipped_and_a_missing_one_is_an_error() -> None:
     options = RefineOptions(ridges=(), augment_copies=0, finetune_epochs=1, fisher_anchor=(1.0,))
-    with pytest.raises(ValueError, match="Fisher"):
-        _refine(options, None)
+    _, (_, report) = _refine(options, None)
+    assert "ft1(merged)" in report.selection_accuracy
+    assert not any("a1(" in name for name in report.selection_accuracy)
     clients = [_state(build_model("mlp", (1, 8, 8), 10, seed=i)) for i in range(3)]
     with pytest.raises(ValueError, match="client 1: no Fisher"):
         _refine(options, [_fishers(clients, 0)[0], {}, _fishers(clients, 1)[0]])
+    with pytest.raises(ValueError, match="2 Fishers, 3 sizes for 3 clients"):
+        _refine(options, _fishers(clients, 0)[:2])
 
 
 def test_a_bad_fisher_names_its_client_and_tensor() -> None:

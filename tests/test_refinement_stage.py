@@ -92,7 +92,8 @@ def test_fedfiot_with_refine_returns_the_refinement_of_its_merge() -> None:
         uploads, RoundContext(1, validate=make_validate_fn(Net(), sel_loader)))
     perms = outcome.result.permutations if outcome.variant == "aligned" else None
     expected, rep = refine_merged_model(outcome.model, uploads.weights, model, fit_loader, sel_loader, spec=spec,
-                                        permutations=perms, num_examples=uploads.num_examples, options=QUICK)
+                                        permutations=perms, num_examples=uploads.num_examples, options=QUICK,
+                                        fishers=uploads.fishers)
     _assert_equal(got, expected)
 
     report = strategy.reports[0]
@@ -126,7 +127,7 @@ def test_the_same_stage_runs_after_fedavg_and_after_the_fedavg_it_is_compared_wi
     fit_loader, sel_loader = _folds(data)
     fedavg = size_weighted_average(uploads.weights, uploads.num_examples)
     expected, _ = refine_merged_model(fedavg, uploads.weights, Net(), fit_loader, sel_loader,
-                                      num_examples=uploads.num_examples, options=QUICK)
+                                      num_examples=uploads.num_examples, options=QUICK, fishers=uploads.fishers)
     strategy = MergeStrategy(FedAvgAggregator(), model=Net(), server_data=data, refine=QUICK)
     _assert_equal(arrays_to_numpy(strategy.aggregate_train(1, replies)[0]), expected)
     # FedFiOT's round reports FedAvg of the same uploads given the same stage.

@@ -234,7 +234,8 @@ def refine_merged_model(
         Progress lines.
     fishers : sequence of dict, optional
         The clients' diagonal Fishers (dequantized, in ``clients``' order and layout), put in
-        the merge's order with their clients; needed by ``options.fisher_anchor``.
+        the merge's order with their clients, for ``options.fisher_anchor``; without them the
+        anchored fine-tuning runs are skipped.
     reference : bool
         Run the reference implementation, which returns the same model up to rounding at a
         higher cost (for measurements): separate forward passes for the label weights, the
@@ -265,9 +266,14 @@ def refine_merged_model(
     if options.target_weights == "size" and (num_examples is None or len(num_examples) != len(clients)):
         raise ValueError("target_weights='size' needs num_examples for every client")
     aligned_fishers: list[Model] = []
-    if options.fisher_anchor and options.finetune_epochs > 0:
-        if fishers is None or len(fishers) != len(clients) or num_examples is None or len(num_examples) != len(clients):
-            raise ValueError("RefineOptions.fisher_anchor needs every client's Fisher and size")
+    anchor_strengths = options.fisher_anchor if fishers is not None and options.finetune_epochs > 0 else ()
+    if options.fisher_anchor and fishers is None and log:
+        log("    refine: no client Fishers given, so no Fisher-anchored fine-tuning")
+    if anchor_strengths:
+        if len(fishers) != len(clients) or num_examples is None or len(num_examples) != len(clients):  # type: ignore[arg-type]
+            raise ValueError("RefineOptions.fisher_anchor needs every client's Fisher and size: "
+                             f"{len(fishers)} Fishers, {0 if num_examples is None else len(num_examples)} sizes "  # type: ignore[arg-type]
+                             f"for {len(clients)} clients")
         empty = [k for k, f in enumerate(fishers) if not f]
         if empty:
             raise ValueError(f"client {empty[0]}: no Fisher for the Fisher anchor")
@@ -360,7 +366,7 @@ def refine_merged_model(
         if not tuned and not offer_starts and start_name != "merged":
             # The fine-tuning diverged at once: the best start (the merge is already offered) competes after all.
             offer(start_name, start_state)
-        for strength in options.fisher_anchor:
+        for strength in anchor_strengths:
             # The same run from the same start with the clients' Laplace penalty in the loss.
             anchored = replace(start_recipe, anchor=strength)
             for epoch, state in build(anchored, data):

@@ -80,7 +80,9 @@ class RefineOptions:
         whose loss also holds the clients' Laplace approximations, ``strength / 2 * sum_k
         (n_k / n) * sum_c F_k[c] (theta_c - w_k[c])^2`` over the (aligned) clients' weights
         ``w_k`` and diagonal Fishers ``F_k`` (:class:`fedfiot_flwr.refine.finetune.FisherAnchor`).
-        Strength 1 is the posterior of the clients' and the server's data. Empty: off.
+        Strength 1 is the posterior of the clients' and the server's data; larger trusts the
+        clients more. The runs need the clients' Fishers: without them (``fishers=None``) they
+        are skipped. Empty: off.
     """
 
     ridges: tuple[float, ...] = (1e-2, 1e-1)
@@ -99,7 +101,7 @@ class RefineOptions:
     distill_weight: float = 0.5
     temperature: float = 2.0
     refit: bool = False
-    fisher_anchor: tuple[float, ...] = ()
+    fisher_anchor: tuple[float, ...] = (1.0, 3.0, 10.0)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ridges", tuple(float(r) for r in self.ridges))
