@@ -75,13 +75,16 @@ def describe_candidate(name: str, fit_examples: int, client_ids: Sequence[str] =
     'the aggregated model refitted by least squares (ridge 0.1), then fine-tuned for 20 epochs on 250 server examples'
     >>> describe_candidate("client-1", 250, ["7", "9"])
     "client 9's own model"
+    >>> describe_candidate("ft20a3(merged)", 250)
+    "the aggregated model fine-tuned for 20 epochs on 250 server examples with the clients' Fisher anchor (strength 3)"
     """
-    tuned = re.fullmatch(r"ft(\d+)\((.+)\)", name)
+    tuned = re.fullmatch(r"ft(\d+)(?:a([^(]+))?\((.+)\)", name)
     if tuned:
-        start = describe_candidate(tuned.group(2), fit_examples, client_ids)
+        start = describe_candidate(tuned.group(3), fit_examples, client_ids)
         start = start.removesuffix(f" on {fit_examples} server examples")
         joiner = ", then" if start != "the aggregated model" else ""
-        return f"{start}{joiner} fine-tuned for {tuned.group(1)} epochs on {fit_examples} server examples"
+        anchor = f" with the clients' Fisher anchor (strength {tuned.group(2)})" if tuned.group(2) else ""
+        return f"{start}{joiner} fine-tuned for {tuned.group(1)} epochs on {fit_examples} server examples{anchor}"
     if name == "merged":
         return "the aggregated model"
     client = re.fullmatch(r"client-(\d+)", name)
