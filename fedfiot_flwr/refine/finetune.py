@@ -46,13 +46,16 @@ class FisherAnchor:
     precision: Mapping[str, torch.Tensor]
     strength: float
 
+    def to(self, device: torch.device) -> FisherAnchor:
+        """The same anchor with its tensors on ``device`` (moved once, not at every step)."""
+        return FisherAnchor({k: v.to(device) for k, v in self.center.items()},
+                            {k: v.to(device) for k, v in self.precision.items()}, self.strength)
+
     def penalty(self, model: nn.Module) -> torch.Tensor:
-        """:math:`R(\theta)` at ``model``'s parameters."""
-        total = torch.zeros((), device=next(model.parameters()).device)
-        for name, p in model.named_parameters():
-            if name in self.precision:
-                total = total + (self.precision[name].to(p.device) * (p - self.center[name].to(p.device)) ** 2).sum()
-        return 0.5 * self.strength * total
+        """:math:`R(\theta)` at ``model``'s parameters (on the anchor's device)."""
+        terms = [(self.precision[name] * (p - self.center[name]) ** 2).sum()
+                 for name, p in model.named_parameters() if name in self.precision]
+        return 0.5 * self.strength * torch.stack(terms).sum() if terms else torch.zeros(())
 
 
 def laplace_anchor(weights: Sequence[Mapping[str, np.ndarray]], fishers: Sequence[Mapping[str, np.ndarray]],
@@ -129,6 +132,8 @@ def distill_finetune(
     gen = torch.Generator().manual_seed(options.seed + 1)
     temp, beta = options.temperature, options.distill_weight
     soft = torch.softmax(t / temp, dim=1)
+    if anchor is not None:
+        anchor = anchor.to(next(model.parameters()).device)
     last = options.finetune_epochs if stop_after is None else min(stop_after, options.finetune_epochs)
     with contextlib.nullcontext(lambda v: v) if reference else channels_last(model, x) as layout:
         for epoch in range(1, last + 1):
