@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_GRID_REFERENCES",
     "DEFAULT_GRID_RHOS",
     "FEDFISHER_VARIANTS",
+    "FISHER_CAP_RULES",
     "FISHER_SCALINGS",
     "INITS",
     "LAP_SOLVERS",
@@ -50,6 +51,9 @@ AGGREGATIONS = ("fisher", "uniform", "size")
 """How aligned neurons are combined: Fisher-weighted (the paper), equal weights, client sizes."""
 FISHER_SCALINGS = ("none", "size", "normalized", "normalized-size")
 """Per-client Fisher scaling before the merge (``"none"``: the paper)."""
+FISHER_CAP_RULES = ("outliers", "median")
+"""Robust Fisher cap: bring only the clients far above (or far flatter than) the others to the median client,
+or scale every client above the clients' median down to it."""
 MERGE_FALLBACKS = ("objective", "none")
 """The engine's identity rule: the paper's (keep alignment only if it lowers the objective) or none."""
 SELECTIONS = ("objective", "validation", "none")

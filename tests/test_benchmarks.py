@@ -197,6 +197,24 @@ def test_fedavg_gap_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "gap.md").read_text().count("| default |") == 1
 
 
+def test_reference_choice_runs_every_client_and_the_identity_merge_as_the_reference(tmp_path: Path) -> None:
+    from benchmarks import reference_choice
+
+    payload = reference_choice.main(["--dataset", "digits", "--model", "mlp", "--validation-size", "200",
+                                     "--clients", "3", "--alphas", "0.5", "--epochs", "1", "--knobs", "1",
+                                     "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--name", "ref"])
+    rows = payload["rows"]
+    assert [r["reference"] for r in rows] == [0, 1, 2, "identity"]
+    assert sum(r["largest"] for r in rows) == 1
+    assert all(math.isfinite(r["test_accuracy"]) and r["objective"] >= 0 for r in rows)
+    # a client as its own reference: the merge starts from that client, so the references differ
+    assert len({round(r["objective"], 9) for r in rows[:3]}) > 1
+    (rule,) = reference_choice.rule_rows(rows)
+    lowest = min(rows[:3], key=lambda r: r["objective"])
+    assert rule["chosen"]["lowest objective"] == (lowest["reference"], lowest["test_accuracy"])
+    assert "best validation" in (tmp_path / "ref.md").read_text()
+
+
 def test_equal_terms_runs_the_shipped_refinement_after_every_start(tmp_path: Path) -> None:
     import json
 

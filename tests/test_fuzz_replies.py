@@ -76,11 +76,11 @@ def uncapped_twin(model_name: str, config: dict, results: Path, **extra: object)
     return make_strategy(model_name, {**config, "config": replace(config["config"], fisher_cap=None)}, results, **extra)
 
 
-def capped_references(valid: list[Sent], cap: float) -> list[Message]:
+def capped_references(valid: list[Sent], cap: float, rule: str) -> list[Message]:
     """The valid replies re-packed with the Fishers a capping server merges: ``cap_fishers`` over the
     round's valid Fishers (decoded as the server decodes them)."""
     ups = [unpack_reply(s.reference_message().content, fisher_bound=None) for s in valid]
-    capped = cap_fishers([u.fisher for u in ups], cap)
+    capped = cap_fishers([u.fisher for u in ups], cap, rule=rule)
     for fisher in capped:  # what the uncapped twin accepts
         assert max(float(np.max(f)) for f in fisher.values()) <= MAX_FISHER_MAGNITUDE
     return [reply(s.node, pack_reply(u.weights, f, u.num_examples, u.metrics)) for s, u, f in zip(valid, ups, capped)]
@@ -112,7 +112,8 @@ def check_round(strategy: FedFiOT, sent: list[Sent], results: Path, twin: FedFiO
     if twin is not None:
         cap = strategy.fedfiot_config.fisher_cap
         assert cap is not None
-        want = as_numpy(twin.aggregate_train(1, capped_references(valid, cap))[0])
+        rule = strategy.fedfiot_config.fisher_cap_rule
+        want = as_numpy(twin.aggregate_train(1, capped_references(valid, cap, rule))[0])
         assert twin.server_metrics[1]["num-rejected"] == 0, labels
     elif len(valid) == len(sent) and all(s.clean is None for s in sent):
         want = got  # nothing to exclude or ignore: the reference call would repeat this one
@@ -123,8 +124,11 @@ def check_round(strategy: FedFiOT, sent: list[Sent], results: Path, twin: FedFiO
         assert np.all(np.isfinite(got[name])), (name, labels)
         if twin is None:
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name}: {labels}")
-        else:  # re-quantizing a capped Fisher rounds it in float32
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {labels}")
+        else:  # re-quantizing a capped Fisher rounds it to 16 bits (an outlier's mapped values are not
+            # proportional to its codes, so its smallest entries lose relative precision)
+            # and tempering amplifies that; a wrong merge (a reply too many or too few, no cap) is off
+            # by tenths, so a percent still tells the two apart)
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-2, atol=1e-3, err_msg=f"{name}: {labels}")
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -10,7 +10,14 @@ from _fedfiot_helpers import SHAPES, SPEC, client_uploads, packed, reply
 from fedfiot_flwr import FedFiOT, FedFiOTConfig
 from fedfiot_flwr.merge import MergeSpeed, merge
 from fedfiot_flwr.merge.prepared import fisher_scale_factors
-from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, cap_factors, cap_fishers, weight_shares
+from fedfiot_flwr.merge.robust import (
+    DEFAULT_FISHER_CAP,
+    DEFAULT_FISHER_CAP_RULE,
+    cap_factors,
+    cap_fishers,
+    fisher_outliers,
+    weight_shares,
+)
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE, fisher_bound_for
 from fedfiot_flwr.server.selection import Candidate, merge_round
 from fedfiot_flwr.server.shell import arrays_to_numpy
@@ -80,9 +87,14 @@ def test_the_capped_merge_of_an_inflated_round_stays_near_the_honest_merge() -> 
     assert _distance(raw, {n: weights[0][n] for n in SHAPES}) < 0.25 * _distance(honest, weights[0])
 
 
-def test_cap_factor_below_one_is_refused() -> None:
-    with pytest.raises(ValueError, match="cap factor"):
-        cap_fishers([{"w": np.ones(2)}], 0.5)
+def test_cap_factor_below_one_and_an_unknown_rule_are_refused() -> None:
+    for rule in ("outliers", "median"):
+        with pytest.raises(ValueError, match="cap factor"):
+            cap_fishers([{"w": np.ones(2)}], 0.5, rule=rule)
+    with pytest.raises(ValueError, match="cap rule"):
+        cap_fishers([{"w": np.ones(2)}], 2.0, rule="clip")
+    with pytest.raises(ValueError, match="fisher_cap_rule"):
+        FedFiOTConfig.default(fisher_cap_rule="clip")
 
 
 def test_the_default_preset_caps_and_the_paper_preset_does_not() -> None:
@@ -119,17 +131,17 @@ def test_robust_module_examples_hold() -> None:
 # ------------------------------------------------------------------ Fishers at float32's maximum
 
 
-def test_a_float32_max_fisher_is_capped_in_float64_to_the_median_magnitude() -> None:
+def test_the_median_rule_caps_a_float32_max_fisher_in_float64_to_the_median_magnitude() -> None:
     _, fishers, _ = _honest(seed=4)
     attacked = [*fishers[:K - 1], {n: np.full(f.shape, F32_MAX, np.float32) for n, f in fishers[0].items()}]
-    capped = cap_fishers(attacked, DEFAULT_FISHER_CAP)
+    capped = cap_fishers(attacked, 1.0, rule="median")
     for name in fishers[0]:
         # a constant tensor's mean is its maximum: the mean cap binds, at the clients' median mean
         med_mean = float(np.median([np.mean(f[name], dtype=np.float64) for f in attacked]))
         assert capped[-1][name].dtype == np.float32
         np.testing.assert_allclose(capped[-1][name], med_mean, rtol=1e-6)
     # two clients: the median of two is their mean, so the absolute limit keeps the merge's range
-    pair = cap_fishers([fishers[0], attacked[-1]], DEFAULT_FISHER_CAP)
+    pair = cap_fishers([fishers[0], attacked[-1]], 1.0, rule="median")
     for name in fishers[0]:
         assert 0.99 * MAX_FISHER_MAGNITUDE <= float(pair[1][name].max()) <= MAX_FISHER_MAGNITUDE
         assert pair[0][name] is fishers[0][name]
@@ -159,18 +171,19 @@ def _merged(up, cap: float | None, **options: object) -> dict[str, np.ndarray]: 
     return merge_round(up, SPEC, Candidate(1.0, 1e-4), max_iters=2, baseline=False, fisher_cap=cap, **options).model
 
 
-def test_a_float32_max_fisher_client_is_capped_to_a_bounded_share_near_the_honest_merge() -> None:
+@pytest.mark.parametrize(("rule", "factor"), [("outliers", DEFAULT_FISHER_CAP), ("median", 1.0)])
+def test_a_float32_max_fisher_client_is_capped_to_a_bounded_share_near_the_honest_merge(rule: str, factor: float) -> None:
     attacker = 2
     uploads, honest_up, attacked_up = _float32_max_round(7, attacker)
     assert not attacked_up.rejections and len(attacked_up) == K  # accepted by a capping server
     # the Fisher-weighted average itself (no alignment, whose permutations would blur the comparison)
-    honest = _merged(honest_up, DEFAULT_FISHER_CAP, matching="none")
-    capped = _merged(attacked_up, DEFAULT_FISHER_CAP, matching="none")
+    honest = _merged(honest_up, factor, matching="none", fisher_cap_rule=rule)
+    capped = _merged(attacked_up, factor, matching="none", fisher_cap_rule=rule)
     raw = _merged(attacked_up, None, matching="none")  # no cap: the attacker owns the merge
     assert all(np.all(np.isfinite(v)) for v in capped.values())
-    assert _distance(capped, honest) < 0.05 * _distance(raw, honest)
+    assert _distance(capped, honest) < 0.1 * _distance(raw, honest)
     assert _distance(raw, uploads[attacker][0]) < 1e-3 * _distance(honest, uploads[attacker][0])
-    shares = weight_shares(cap_fishers(attacked_up.fishers, DEFAULT_FISHER_CAP), rho=1.0)
+    shares = weight_shares(cap_fishers(attacked_up.fishers, factor, rule=rule), rho=1.0)
     assert shares[attacker] < 1.5 / K
     assert weight_shares(attacked_up.fishers, rho=1.0)[attacker] > 0.99
 
@@ -211,3 +224,105 @@ def test_a_float32_max_fisher_is_merged_by_the_default_preset_and_excluded_by_th
             assert [r["client"] for r in rejected] == ["1"]
             reason = rejected[0]["reason"]
             assert "client 1" in reason and "fc1.weight" in reason and "Fisher" in reason and "bound" in reason
+
+
+# ------------------------------------------------------------------ the outlier rule
+
+
+def _spread_fishers(seed: int, spread: float) -> list[dict[str, np.ndarray]]:
+    """Honest-looking heavy-tailed Fishers of one shape whose magnitudes differ by up to ``spread`` between clients."""
+    rng = np.random.default_rng(seed)
+    base = {n: rng.lognormal(0.0, 2.0, size=s) for n, s in SHAPES.items()}
+    scales = np.geomspace(1.0, spread, K)
+    return [{n: b * scales[k] * rng.uniform(0.9, 1.1, size=b.shape) for n, b in base.items()} for k in range(K)]
+
+
+def test_the_outlier_rule_leaves_honest_clients_above_the_median_as_uploaded() -> None:
+    fishers = _spread_fishers(0, spread=3.0)  # every client within 3x of the others' median
+    assert fisher_outliers(fishers, 4.0) == [set()] * K
+    capped = cap_fishers(fishers, 4.0, rule="outliers")
+    assert all(capped[k][n] is fishers[k][n] for k in range(K) for n in fishers[k])
+    # the median rule at c = 1 changes the clients above the median
+    at_median = cap_fishers(fishers, 1.0, rule="median")
+    assert sum(at_median[k][n] is not fishers[k][n] for k in range(K) for n in fishers[k]) >= K // 2
+
+
+@pytest.mark.parametrize("attack", ["1e3", "1e6", "f32max"])
+def test_an_inflated_outlier_keeps_its_shape_at_the_other_clients_median_magnitude(attack: str) -> None:
+    fishers = _spread_fishers(1, spread=2.0)
+    inflated = (_at_float32_max(fishers[3]) if attack == "f32max"
+                else {n: f * float(attack) for n, f in fishers[3].items()})
+    attacked = [*fishers[:3], inflated, *fishers[4:]]
+    assert fisher_outliers(attacked, 4.0) == [set(), set(), set(), set(SHAPES), set(), set()]
+    capped = cap_fishers(attacked, 4.0, rule="outliers")
+    others = [f for i, f in enumerate(fishers) if i != 3]
+    for name in SHAPES:
+        got = capped[3][name].astype(np.float64)
+        ratio = got / fishers[3][name]  # its honest shape, one scale
+        np.testing.assert_allclose(ratio, ratio.ravel()[0], rtol=1e-5)
+        med_mean = float(np.median([f[name].mean() for f in others]))
+        med_max = float(np.median([f[name].max() for f in others]))
+        assert got.mean() <= med_mean * (1 + 1e-5) and got.max() <= med_max * (1 + 1e-5)
+        assert np.isclose(got.mean(), med_mean, rtol=1e-5) or np.isclose(got.max(), med_max, rtol=1e-5)
+        assert capped[3][name].dtype == inflated[name].dtype
+        assert all(capped[k][name] is attacked[k][name] for k in range(K) if k != 3)
+    assert weight_shares(capped)[3] < 1.5 / K
+
+
+@pytest.mark.parametrize("level", [F32_MAX, 1.0])
+def test_a_flat_fisher_weighs_like_the_median_client_at_every_coordinate(level: float) -> None:
+    rng = np.random.default_rng(2)
+    shapes = {"w": (64, 32), "b": (64,)}
+    base = {n: rng.lognormal(0.0, 2.0, size=s) for n, s in shapes.items()}
+    fishers = [{n: b * rng.uniform(0.5, 2.0) * rng.lognormal(0.0, 0.5, size=b.shape) for n, b in base.items()}
+               for _ in range(K - 1)]
+    # at float32's maximum, or at the honest clients' magnitude (which no magnitude cap notices)
+    flat = {n: np.full(s, level * np.median([f[n].mean() for f in fishers]) if level == 1.0 else level, np.float32)
+            for n, s in shapes.items()}
+    attacked = [*fishers, flat]
+    assert fisher_outliers(attacked, DEFAULT_FISHER_CAP) == [set()] * (K - 1) + [set(shapes)]
+    outlier = cap_fishers(attacked, DEFAULT_FISHER_CAP, rule="outliers")
+    median = cap_fishers(attacked, 1.0, rule="median")
+    for name in shapes:
+        # the flat client has no ranking of its own: it takes the other clients' median ranking
+        others = np.median(np.stack([f[name].ravel() for f in fishers]), axis=0)
+        assert np.array_equal(np.argsort(outlier[-1][name].ravel(), kind="stable"), np.argsort(others, kind="stable"))
+        assert all(outlier[k][name] is fishers[k][name] for k in range(K - 1))
+    # so it holds about an honest client's share, where the median rule (its mean at most the median
+    # mean, on every coordinate) gives it more than any honest client
+    assert weight_shares(outlier)[-1] < 1.25 / K
+    assert weight_shares(median)[-1] > weight_shares(median)[:-1].max()
+
+
+def test_the_outlier_rule_finds_the_inflated_client_of_a_two_client_round() -> None:
+    fishers = _spread_fishers(3, spread=1.0)[:2]
+    attacked = [fishers[0], {n: f * 1e6 for n, f in fishers[1].items()}]
+    assert fisher_outliers(attacked, DEFAULT_FISHER_CAP) == [set(), set(SHAPES)]
+    capped = cap_fishers(attacked, DEFAULT_FISHER_CAP, rule="outliers")
+    for name in SHAPES:  # its own shape, no larger than the other client's in mean and largest entry
+        ratio = capped[1][name] / fishers[1][name]
+        np.testing.assert_allclose(ratio, ratio.ravel()[0], rtol=1e-6)
+        assert capped[1][name].mean() <= fishers[0][name].mean() * (1 + 1e-9)
+        assert capped[1][name].max() <= fishers[0][name].max() * (1 + 1e-9)
+        assert capped[0][name] is fishers[0][name]
+
+
+def test_the_default_preset_uses_the_outlier_rule_and_names_the_outlier_client(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert FedFiOTConfig.default().fisher_cap_rule == DEFAULT_FISHER_CAP_RULE == "outliers"
+    uploads = client_uploads(K, seed=11)
+    w, f, n = uploads[4]
+    inflated = [*uploads[:4], (w, {k: v * 1e4 for k, v in f.items()}, n), *uploads[5:]]
+    strategy = FedFiOT(spec=SPEC, config=FedFiOTConfig.default(max_iters=2), fedavg_baseline=False)
+    with caplog.at_level("WARNING", logger="fedfiot_flwr"):
+        attacked = arrays_to_numpy(strategy.aggregate_train(
+            1, [reply(i + 1, packed(*t)) for i, t in enumerate(inflated)])[0])
+    warned = [r.getMessage() for r in caplog.records if "median" in r.getMessage()]
+    assert len(warned) == 1 and "client 5" in warned[0] and "fc1.weight" in warned[0] and "times above" in warned[0]
+    # the round equals the uncapped merge of the uploads with the outlier mapped by hand
+    mapped = cap_fishers([t[1] for t in inflated], DEFAULT_FISHER_CAP, rule="outliers")
+    uncapped = FedFiOT(spec=SPEC, config=FedFiOTConfig.default(max_iters=2, fisher_cap=None), fedavg_baseline=False)
+    by_hand = arrays_to_numpy(uncapped.aggregate_train(
+        1, [reply(i + 1, packed(t[0], m, t[2])) for i, (t, m) in enumerate(zip(inflated, mapped))])[0])
+    assert _distance(attacked, by_hand) < 1e-3 * _distance(by_hand, uploads[4][0])

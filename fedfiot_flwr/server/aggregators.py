@@ -225,6 +225,7 @@ class FedFiOTAggregator:
             baseline=cfg.fedavg_candidate and validate is not None,
             fedavg_candidate=cfg.fedavg_candidate,
             fisher_cap=cfg.fisher_cap,
+            fisher_cap_rule=cfg.fisher_cap_rule,
             speed=cfg.speed,
             broadcast_in_round_one=cfg.broadcast_in_round_one,
         )

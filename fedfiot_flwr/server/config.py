@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeSpeed
-from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
+from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, DEFAULT_FISHER_CAP_RULE
 from fedfiot_flwr.merge.validate import check_options
-from fedfiot_flwr.options import REFERENCES, SELECTIONS
+from fedfiot_flwr.options import FISHER_CAP_RULES, REFERENCES, SELECTIONS
 from fedfiot_flwr.server.selection import SweepGrid
 
 __all__ = ["FedFiOTConfig", "SELECTIONS"]
@@ -66,8 +66,13 @@ class FedFiOTConfig:
     selection_metric : str
         Validation metric to select on (maximised unless its name contains ``"loss"``).
     fisher_cap : float or None
-        Robust weighting: no client's Fisher may exceed this factor (>= 1) times the clients'
-        median (:func:`fedfiot_flwr.merge.robust.cap_fishers`); ``None`` or 0: as uploaded.
+        Robust weighting: the factor ``c >= 1`` of :func:`fedfiot_flwr.merge.robust.cap_fishers`;
+        ``None`` or 0: the Fishers as uploaded.
+    fisher_cap_rule : {"outliers", "median"}
+        ``"outliers"``: a client whose tensor's mean or largest entry is more than ``c`` times the
+        other clients' median takes the median client's values in its own order; the others are
+        untouched. ``"median"``: every client above ``c`` times the clients' median is scaled down
+        to it (see :data:`fedfiot_flwr.options.FISHER_CAP_RULES`).
     certify : bool
         Try each client's previous assignment first and keep it when a dual certificate proves
         it optimal (:mod:`fedfiot_flwr.merge.certify`): the same permutations and the same model
@@ -106,6 +111,7 @@ class FedFiOTConfig:
     fedavg_candidate: bool = False
     selection_metric: str = "accuracy"
     fisher_cap: float | None = None
+    fisher_cap_rule: str = DEFAULT_FISHER_CAP_RULE
     certify: bool = False
     cost_dtype: str = "float64"
     lap_solver: str = "scipy"
@@ -126,6 +132,8 @@ class FedFiOTConfig:
             object.__setattr__(self, "fisher_cap", None)
         if self.fisher_cap is not None and not self.fisher_cap >= 1:
             raise ValueError(f"fisher_cap must be >= 1, or 0 / None for no cap, got {self.fisher_cap!r}")
+        if self.fisher_cap_rule not in FISHER_CAP_RULES:
+            raise ValueError(f"fisher_cap_rule must be one of {FISHER_CAP_RULES}, got {self.fisher_cap_rule!r}")
 
     @property
     def speed(self) -> MergeSpeed:

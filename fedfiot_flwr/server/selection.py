@@ -22,7 +22,7 @@ import numpy as np
 from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.choose import BestSoFar, beats, higher_is_better
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, MergeSpeed, PermutationSpec, merge, prepare_clients
-from fedfiot_flwr.merge.robust import cap_fishers
+from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP_RULE, cap_fishers, fisher_outliers
 from fedfiot_flwr.server.warm_starts import WarmStarts
 from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_REFERENCES, DEFAULT_GRID_RHOS, REFERENCES, SELECTIONS
 from fedfiot_flwr.options import Model
@@ -239,6 +239,17 @@ class _CachedValidation:
         return dict(self.cache[key])
 
 
+def _capped(uploads: CollectedUploads, factor: float, rule: str) -> list[dict[str, np.ndarray]]:
+    """The uploads' Fishers after the robust cap; every outlier client is logged with its tensors."""
+    if rule == "outliers":
+        for client, names in zip(uploads.client_ids, fisher_outliers(uploads.fishers, factor)):
+            if names:
+                logger.warning("FedFiOT: client %s's Fisher is more than %g times above (or flatter than) the other "
+                               "clients' median in %s; it is brought to the median client's", client, factor,
+                               ", ".join(sorted(names)))
+    return cap_fishers(uploads.fishers, factor, rule=rule)
+
+
 def merge_round(
     uploads: CollectedUploads,
     spec: PermutationSpec,
@@ -257,6 +268,7 @@ def merge_round(
     baseline: bool = True,
     fedavg_candidate: bool = False,
     fisher_cap: float | None = None,
+    fisher_cap_rule: str = DEFAULT_FISHER_CAP_RULE,
     speed: MergeSpeed | None = None,
     warm_start: bool = False,
     broadcast_in_round_one: bool = False,
@@ -306,6 +318,9 @@ def merge_round(
         Fisher may then be uploaded (the reply bounds do not apply, see
         :func:`fedfiot_flwr.reply_limits.fisher_bound_for`). ``None``: the Fishers as uploaded (the
         paper), which the reply bounds keep within ``MAX_FISHER_MAGNITUDE``.
+    fisher_cap_rule : {"outliers", "median"}
+        Which clients the cap changes (:func:`fedfiot_flwr.merge.robust.cap_fishers`); an outlier
+        is logged with its client and tensors.
     speed : MergeSpeed, optional
         How each merge is computed (:class:`fedfiot_flwr.merge.MergeSpeed`; its defaults when
         omitted): float32 costs, solver, threads, certified assignments, torch backend.
@@ -349,7 +364,7 @@ def merge_round(
         logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
         candidates = [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
 
-    fishers = uploads.fishers if fisher_cap is None else cap_fishers(uploads.fishers, fisher_cap)
+    fishers = uploads.fishers if fisher_cap is None else _capped(uploads, fisher_cap, fisher_cap_rule)
     clients = prepare_clients(uploads.weights, fishers, buffers=buffers, num_examples=uploads.num_examples,
                               client_ids=uploads.client_ids, checked=True)
     starts = WarmStarts() if warm_start and matching != "none" else None
