@@ -8,10 +8,11 @@ this runs the aligned merge (no identity fallback) from
 - every client in turn (``ref=k``), with its full-model objective ``J``, its selection-fold and
   test accuracy, and each client's own model's accuracy next to it;
 - the identity merge itself (``ref=identity``: the Fisher-weighted average of the unaligned
-  clients, a start anchored to no client),
+  clients, a start anchored to no client), next to that identity merge unaligned (``ref=none``),
 
-and reports what three reference rules would return: the paper's (the largest client), the
-lowest objective (data-free), and the best validation accuracy (the server data selects only).
+and reports what the reference rules would return: the paper's (the largest client, then its
+identity rule), the lowest objective (data-free), and the best validation accuracy (the server
+data selects only).
 
     .venv/bin/python benchmarks/reference_choice.py --inits independent shared --seeds 0
 
@@ -75,7 +76,14 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[
             reference = identity if ref == "identity" else ref
             res = merge(clients, None, spec, lam=lam, rho=rho, reference=reference, fisher_scaling=scaling,
                         fallback="none")
-            identity = res.identity_model if identity is None else identity
+            if identity is None:  # the identity merge (no alignment), what the paper's rule may fall back to
+                identity = res.identity_model
+                rows.append({**base, "rho": rho, "lam": lam, "fisher_scaling": scaling, "reference": "none",
+                             "largest": False, "objective": res.identity_objective,
+                             "identity_objective": res.identity_objective, "fraction_permuted": 0.0,
+                             "validation_accuracy": ev.validate(identity)["accuracy"],
+                             "test_accuracy": ev.test(identity)[1], "client_validation_accuracy": None,
+                             "client_test_accuracy": None, "seconds": 0.0})
             val, test = ev.validate(res.aligned_model)["accuracy"], ev.test(res.aligned_model)[1]
             row = {**base, "rho": rho, "lam": lam, "fisher_scaling": scaling, "reference": ref,
                    "largest": ref == largest, "objective": res.aligned_objective,
@@ -99,11 +107,16 @@ def rule_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for key in keys:
         group = [r for r in rows if (r["alpha"], r["init"], r["seed"], r["rho"], r["lam"], r["fisher_scaling"]) == key]
         clients = [r for r in group if isinstance(r["reference"], int)]
+        paper = next(r for r in clients if r["largest"])
+        unaligned = next(r for r in group if r["reference"] == "none")
         chosen = {
             "largest client (the paper)": next(r for r in clients if r["largest"]),
             "lowest objective": min(clients, key=lambda r: r["objective"]),
             "best validation": max(clients, key=lambda r: r["validation_accuracy"]),
             "identity merge": next(r for r in group if r["reference"] == "identity"),
+            "no alignment": unaligned,
+            # the paper's identity rule on the largest client's merge: kept only if it lowers the objective
+            "the paper's rule": paper if paper["objective"] < unaligned["objective"] else unaligned,
         }
         best_client = max(clients, key=lambda r: r["client_validation_accuracy"])
         out.append({"key": key, "chosen": {k: (v["reference"], v["test_accuracy"]) for k, v in chosen.items()},
@@ -127,9 +140,10 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
         "## What each reference rule returns",
         "",
-        "| cell | seed | ρ, λ, scaling | largest client (the paper) | lowest objective (data-free) | best validation "
-        "| identity merge as reference | best of the references | best single client (chosen on validation) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| cell | seed | ρ, λ, scaling | largest client (the paper) | the paper's identity rule on it | no alignment "
+        "| lowest objective (data-free) | best validation | identity merge as reference | best of the references "
+        "| best single client (chosen on validation) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rule_rows(rows):
         alpha, init, seed, rho, lam, scaling = r["key"]
@@ -139,8 +153,10 @@ def markdown(payload: dict[str, Any]) -> str:
             ref, acc = c[name]
             return f"{100 * acc:.1f} (ref {ref})"
 
+        paper_rule = cell("the paper's rule")
         lines.append(f"| α={alpha:g} {init} | {seed} | {rho:g}, {lam:g}, {scaling} | {cell('largest client (the paper)')} "
-                     f"| {cell('lowest objective')} | {cell('best validation')} | {cell('identity merge')} "
+                     f"| {paper_rule} | {100 * c['no alignment'][1]:.1f} | {cell('lowest objective')} "
+                     f"| {cell('best validation')} | {cell('identity merge')} "
                      f"| {100 * r['best_reference_test']:.1f} | {100 * r['best_client'][1]:.1f} "
                      f"(client {r['best_client'][0]}) |")
     lines += ["", "## Every reference", "",

@@ -204,14 +204,17 @@ def test_reference_choice_runs_every_client_and_the_identity_merge_as_the_refere
                                      "--clients", "3", "--alphas", "0.5", "--epochs", "1", "--knobs", "1",
                                      "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--name", "ref"])
     rows = payload["rows"]
-    assert [r["reference"] for r in rows] == [0, 1, 2, "identity"]
+    assert [r["reference"] for r in rows] == ["none", 0, 1, 2, "identity"]
     assert sum(r["largest"] for r in rows) == 1
     assert all(math.isfinite(r["test_accuracy"]) and r["objective"] >= 0 for r in rows)
     # a client as its own reference: the merge starts from that client, so the references differ
-    assert len({round(r["objective"], 9) for r in rows[:3]}) > 1
+    assert len({round(r["objective"], 9) for r in rows[1:4]}) > 1
     (rule,) = reference_choice.rule_rows(rows)
-    lowest = min(rows[:3], key=lambda r: r["objective"])
+    lowest = min(rows[1:4], key=lambda r: r["objective"])
     assert rule["chosen"]["lowest objective"] == (lowest["reference"], lowest["test_accuracy"])
+    paper = next(r for r in rows if r["largest"])
+    kept = paper if paper["objective"] < rows[0]["objective"] else rows[0]
+    assert rule["chosen"]["the paper's rule"] == (kept["reference"], kept["test_accuracy"])
     assert "best validation" in (tmp_path / "ref.md").read_text()
 
 

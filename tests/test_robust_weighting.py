@@ -326,3 +326,17 @@ def test_the_default_preset_uses_the_outlier_rule_and_names_the_outlier_client(
     by_hand = arrays_to_numpy(uncapped.aggregate_train(
         1, [reply(i + 1, packed(t[0], m, t[2])) for i, (t, m) in enumerate(zip(inflated, mapped))])[0])
     assert _distance(attacked, by_hand) < 1e-3 * _distance(by_hand, uploads[4][0])
+
+
+def test_a_round_where_every_client_is_an_outlier_is_merged_without_error() -> None:
+    rng = np.random.default_rng(5)
+    peaky = {n: rng.lognormal(0.0, 2.0, size=s) * 10.0 for n, s in SHAPES.items()}
+    flat = {n: np.ones(s) for n, s in SHAPES.items()}
+    # two clients: one flat, the other more than c times above it, so each is an outlier
+    first, second = fisher_outliers([flat, peaky], DEFAULT_FISHER_CAP)
+    assert first & second  # a tensor where both clients are outliers
+    for fishers in ([flat, peaky], [flat, {n: np.ones(s) * 2.0 for n, s in SHAPES.items()}]):
+        capped = cap_fishers(fishers, DEFAULT_FISHER_CAP, rule="outliers")
+        assert all(np.all(np.isfinite(f)) and np.all(f >= 0) for fk in capped for f in fk.values())
+    capped = cap_fishers([flat, flat, flat], DEFAULT_FISHER_CAP, rule="outliers")  # alike: left as they are
+    assert all(capped[k][n] is flat[n] for k in range(3) for n in SHAPES)

@@ -177,10 +177,13 @@ def _cap_outliers(fishers: Sequence[Model], factor: float, limit: float | None) 
     for name in fishers[0]:
         means, maxes = _summaries(fishers, name)
         flat = [k for k in range(len(fishers)) if kinds[k].get(name) == "flat"]
-        if flat:
-            kept = [np.asarray(fishers[j][name]).ravel() for j in range(len(fishers)) if name not in kinds[j]]
-            values = _chunked_median([np.sort(a) for a in kept])  # the median client's distribution
-            tiebreak = _chunked_median(kept)  # the median client's coordinates
+        # the reference distribution: the clients that are no outliers, else those that are not flat
+        kept = ([j for j in range(len(fishers)) if name not in kinds[j]]
+                or [j for j in range(len(fishers)) if kinds[j].get(name) != "flat"])
+        if flat and kept:  # (every client flat: they are alike, nothing to rank them against)
+            kept_arrays = [np.asarray(fishers[j][name]).ravel() for j in kept]
+            values = _chunked_median([np.sort(a) for a in kept_arrays])  # the median client's distribution
+            tiebreak = _chunked_median(kept_arrays)  # the median client's coordinates
             for k in flat:
                 out[k][name] = _rank_mapped(fishers[k][name], values, tiebreak)
         for k in range(len(fishers)):
