@@ -252,10 +252,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for dataset in args.datasets:
         rows += run_dataset(dataset, args, log)
     wall = time.perf_counter() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
     payload = {"command": H.command_line(), "machine": H.machine_description(), "wall_seconds": wall, "rows": rows}
-    H.write_json(args.out / f"{args.name}.json", payload)
-    (args.out / f"{args.name}.md").write_text(markdown(rows, payload["command"], payload["machine"], wall))
+    H.write_results(args.out, args.name, payload, markdown(rows, payload["command"], payload["machine"], wall))
     log(f"wrote {args.out / args.name}.md/.json")
 
 

@@ -1145,6 +1145,12 @@ def write_json(path: Path, payload: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def write_results(out: Path, name: str, payload: Mapping[str, Any], page: str) -> None:
+    """A benchmark's results: ``out/<name>.json`` (:func:`write_json`) and its markdown page ``out/<name>.md``."""
+    write_json(out / f"{name}.json", payload)
+    (out / f"{name}.md").write_text(page)
+
+
 def setup_logging(verbose: bool = True) -> Callable[[str], None]:
     """Timestamped progress lines on stderr; returns the log function."""
     start = time.perf_counter()

@@ -174,9 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     log(f"{setting.column()} seed {seed}")
                     payload["records"] += run_setting(setting, args, log)
                     payload["seconds"] = time.perf_counter() - start
-                    args.out.mkdir(parents=True, exist_ok=True)
-                    H.write_json(args.out / f"{args.name}.json", payload)
-                    (args.out / f"{args.name}.md").write_text(markdown(payload))
+                    H.write_results(args.out, args.name, payload, markdown(payload))
     log(f"wrote {args.out / (args.name + '.md')}")
     return payload
 

@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_FISHER_CAP_RULE",
     "cap_factors",
     "cap_fishers",
+    "cap_fishers_reporting",
     "fisher_outliers",
     "weight_shares",
 ]
@@ -99,13 +100,18 @@ def _summaries(fishers: Sequence[Model], name: str) -> tuple[np.ndarray, np.ndar
     return means, maxes
 
 
-def _outlier_kinds(fishers: Sequence[Model], factor: float) -> list[dict[str, str]]:
-    """Per client, its outlier tensors and why: ``"flat"`` (a shape outlier) or ``"inflated"``."""
+_Summaries = dict[str, tuple[np.ndarray, np.ndarray]]
+"""Per tensor name, every client's mean and largest entry (:func:`_summaries`)."""
+
+
+def _outlier_kinds(fishers: Sequence[Model], factor: float) -> tuple[list[dict[str, str]], _Summaries]:
+    """Per client, its outlier tensors and why (``"flat"``, a shape outlier, or ``"inflated"``),
+    and the per-tensor summaries they were judged on."""
     kinds: list[dict[str, str]] = [{} for _ in fishers]
+    stats: _Summaries = {name: _summaries(fishers, name) for name in (fishers[0] if fishers else ())}
     if len(fishers) < 2:
-        return kinds
-    for name in fishers[0]:
-        means, maxes = _summaries(fishers, name)
+        return kinds, stats
+    for name, (means, maxes) in stats.items():
         peaks = np.divide(maxes, means, out=np.zeros_like(maxes), where=means > 0)
         for k in range(len(fishers)):
             ref_mean, ref_max, ref_peak = (float(np.median(np.delete(x, k))) for x in (means, maxes, peaks))
@@ -113,7 +119,7 @@ def _outlier_kinds(fishers: Sequence[Model], factor: float) -> list[dict[str, st
                 kinds[k][name] = "flat"
             elif (ref_mean > 0 and means[k] > factor * ref_mean) or (ref_max > 0 and maxes[k] > factor * ref_max):
                 kinds[k][name] = "inflated"
-    return kinds
+    return kinds, stats
 
 
 def fisher_outliers(fishers: Sequence[Model], factor: float) -> list[set[str]]:
@@ -144,7 +150,7 @@ def fisher_outliers(fishers: Sequence[Model], factor: float) -> list[set[str]]:
     [set(), set(), set(), {'w'}]
     """
     _check_factor(factor, None)
-    return [set(kinds) for kinds in _outlier_kinds(fishers, factor)]
+    return [set(kinds) for kinds in _outlier_kinds(fishers, factor)[0]]
 
 
 def _chunked_median(arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -171,11 +177,12 @@ def _rank_mapped(f: np.ndarray, values: np.ndarray, tiebreak: np.ndarray) -> np.
     return mapped.reshape(arr.shape).astype(dtype)
 
 
-def _cap_outliers(fishers: Sequence[Model], factor: float, limit: float | None) -> list[dict[str, np.ndarray]]:
-    kinds = _outlier_kinds(fishers, factor)
+def _cap_outliers(fishers: Sequence[Model], kinds: list[dict[str, str]], stats: _Summaries,
+                  limit: float | None) -> list[dict[str, np.ndarray]]:
+    """``rule="outliers"`` given each client's outlier kinds and the summaries they were judged on."""
     out: list[dict[str, np.ndarray]] = [dict(fk) for fk in fishers]
-    for name in fishers[0]:
-        means, maxes = _summaries(fishers, name)
+    for name, (means, maxes) in stats.items():
+        tops = maxes.copy()  # each client's largest entry once the rule has run
         flat = [k for k in range(len(fishers)) if kinds[k].get(name) == "flat"]
         # the reference distribution: the clients that are no outliers, else those that are not flat
         kept = ([j for j in range(len(fishers)) if name not in kinds[j]]
@@ -186,14 +193,14 @@ def _cap_outliers(fishers: Sequence[Model], factor: float, limit: float | None) 
             tiebreak = _chunked_median(kept_arrays)  # the median client's coordinates
             for k in flat:
                 out[k][name] = _rank_mapped(fishers[k][name], values, tiebreak)
+                tops[k] = values[-1]
         for k in range(len(fishers)):
             s = 1.0
             if kinds[k].get(name) == "inflated":  # its own shape, at the other clients' median magnitude
                 ref_mean, ref_max = float(np.median(np.delete(means, k))), float(np.median(np.delete(maxes, k)))
                 s = min(ref_mean / means[k] if ref_mean > 0 else 1.0, ref_max / maxes[k] if ref_max > 0 else 1.0)
-            top = float(np.max(out[k][name])) * s if np.size(out[k][name]) else 0.0
-            if limit is not None and top > limit:
-                s = s * limit / top
+            if limit is not None and tops[k] * s > limit:
+                s = limit / tops[k]
             if s != 1.0:
                 out[k][name] = _scaled(out[k][name], s)
     return out
@@ -294,16 +301,43 @@ def cap_fishers(
     >>> [float(x) for x in cap_fishers(inflated, 4.0, rule="median")[3]["w"]]
     [4.0, 8.0]
     """
+    return cap_fishers_reporting(fishers, factor, limit, rule)[0]
+
+
+def cap_fishers_reporting(
+    fishers: Sequence[Model],
+    factor: float,
+    limit: float | None = MAX_FISHER_MAGNITUDE,
+    rule: str = DEFAULT_FISHER_CAP_RULE,
+) -> tuple[list[dict[str, np.ndarray]], list[set[str]]]:
+    """:func:`cap_fishers` and, found on the same pass, each client's changed tensors.
+
+    Returns
+    -------
+    capped : list of dict[str, np.ndarray]
+        As :func:`cap_fishers`.
+    outliers : list of set of str
+        With ``rule="outliers"``, :func:`fisher_outliers`; with ``rule="median"``, the tensors
+        the cap scaled (absolute limit included).
+
+    Examples
+    --------
+    >>> honest = [{"w": np.array([1.0, 2.0])}, {"w": np.array([2.0, 1.0])}, {"w": np.array([1.5, 1.5])}]
+    >>> cap_fishers_reporting([*honest, {"w": np.array([1e3, 2e3])}], 4.0)[1]
+    [set(), set(), set(), {'w'}]
+    """
     if rule not in FISHER_CAP_RULES:
         raise ValueError(f"the Fisher cap rule must be one of {FISHER_CAP_RULES}, got {rule!r}")
     if rule == "outliers":
         _check_factor(factor, limit)
-        return _cap_outliers(fishers, factor, limit) if fishers else []
+        kinds, stats = _outlier_kinds(fishers, factor)
+        return _cap_outliers(fishers, kinds, stats, limit), [set(k) for k in kinds]
     scales = cap_factors(fishers, factor, limit)
-    return [
+    capped = [
         {name: (f if scales[k][name] == 1.0 else _scaled(f, scales[k][name])) for name, f in fk.items()}
         for k, fk in enumerate(fishers)
     ]
+    return capped, [{name for name, sc in client.items() if sc != 1.0} for client in scales]
 
 
 def _scaled(f: np.ndarray, scale: float) -> np.ndarray:

@@ -70,7 +70,8 @@ class FedFiOTConfig:
         ``None`` or 0: the Fishers as uploaded.
     fisher_cap_rule : {"outliers", "median"}
         ``"outliers"``: a client whose tensor's mean or largest entry is more than ``c`` times the
-        other clients' median takes the median client's values in its own order; the others are
+        other clients' median keeps its shape at their median magnitude, and one ``c`` times
+        flatter than theirs takes the median client's values in its own order; the others are
         untouched. ``"median"``: every client above ``c`` times the clients' median is scaled down
         to it (see :data:`fedfiot_flwr.options.FISHER_CAP_RULES`).
     certify : bool
