@@ -238,3 +238,28 @@ def test_equal_terms_runs_the_shipped_refinement_after_every_start(tmp_path: Pat
     page = (tmp_path / "eq.md").read_text()
     assert "server-only" in page and str(tmp_path) not in page
     assert "margin on the mean" in page and "Fisher anchor" in page
+
+
+def test_alignment_cause_probes_every_alignment_and_picks_knobs_on_validation(tmp_path: Path) -> None:
+    from benchmarks import alignment_cause
+
+    payload = alignment_cause.main(["--dataset", "digits", "--model", "mlp", "--validation-size", "200",
+                                    "--clients", "3", "--alphas", "0.5", "--epochs", "1", "--knobs", "2",
+                                    "--inits", "independent", "shared", "--out", str(tmp_path),
+                                    "--cache-dir", str(tmp_path / "cache"), "--name", "cause"])
+    independent, shared = payload["rows"]
+    for row in payload["rows"]:
+        assert len(row["movement"]) == 3 and all(set(m) == {"fc1.weight", "fc2.weight", "fc3.weight"}
+                                                 for m in row["movement"])
+        for method, candidates in row["candidates"].items():
+            assert len(candidates) == 2
+            assert row["chosen"][method]["validation_accuracy"] == max(c["validation_accuracy"] for c in candidates)
+        # FedFiOT's alignment does not depend on the order the clients' units arrive in: started from
+        # the activation order it returns to the weight alignment's merge
+        for weight, again in zip(row["candidates"]["weight"], row["candidates"]["activation-then-weight"]):
+            assert again["objective"] == pytest.approx(weight["objective"], rel=1e-6)
+            assert again["test_accuracy"] == weight["test_accuracy"]
+    # one shared initialisation: the units already correspond, and training barely moved them
+    assert all(m["fc1.weight"]["cosine"] > 0.9 for m in shared["movement"])
+    assert all(a == 1.0 for a in shared["candidates"]["weight"][0]["agreement"].values())
+    assert "How far local training moved the weights" in (tmp_path / "cause.md").read_text()
