@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,31 +45,19 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
+from benchmarks import reference_choice  # noqa: E402
 from fedfiot_flwr.merge import PermutationSpec, merge, prepare_clients  # noqa: E402
 from fedfiot_flwr.merge.spec import apply_permutations  # noqa: E402
 
-KNOBS = ((0.5, 1e-3, "size"), (0.3, 1e-3, "none"), (0.7, 1e-3, "size"))
+KNOBS = reference_choice.KNOBS
 """(rho, lam, Fisher scaling) settings; each alignment keeps the one with the best validation accuracy."""
 
 Model = Mapping[str, np.ndarray]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default="fashion-mnist")
-    p.add_argument("--model", default="fednet")
-    p.add_argument("--validation-size", type=int, default=500)
-    p.add_argument("--alphas", nargs="+", type=float, default=[0.1])
-    p.add_argument("--inits", nargs="+", choices=H.INITS, default=["independent"])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--clients", type=int, default=6)
-    p.add_argument("--knobs", type=int, default=len(KNOBS), help="how many of the knob settings to run")
-    p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)
-    p.add_argument("--out", type=Path, default=H.RESULTS_DIR)
-    p.add_argument("--name", default="alignment_cause")
-    p.add_argument("--threads", type=int, default=None)
-    return p.parse_args(argv)
+    """The command line (:func:`benchmarks.harness.cell_analysis_parser`)."""
+    return H.cell_analysis_parser(__doc__, "alignment_cause", len(KNOBS)).parse_args(argv)
 
 
 def weight_movement(trained: Model, initial: Model) -> dict[str, dict[str, float]]:
@@ -274,22 +261,9 @@ def markdown(payload: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run every cell and seed; returns the payload written to the results files."""
     args = parse_args(argv)
-    H.set_threads(args.threads)
-    log = H.setup_logging(True)
-    start = time.perf_counter()
-    payload: dict[str, Any] = {"command": H.command_line(argv), "machine": H.machine_description(),
-                               "validation_size": args.validation_size, "rows": []}
-    for alpha in args.alphas:
-        for init in args.inits:
-            for seed in args.seeds:
-                setting = H.Setting(args.dataset, args.model, args.clients, alpha, init, seed, args.epochs,
-                                    validation_size=args.validation_size)
-                log(f"{setting.column()} seed {seed}")
-                payload["rows"] += run_setting(setting, args, log)
-                payload["seconds"] = time.perf_counter() - start
-                H.write_results(args.out, args.name, payload, markdown(payload))
-    return payload
+    return H.run_cell_analysis(args, argv, run_setting, markdown, validation_size=args.validation_size)
 
 
 if __name__ == "__main__":

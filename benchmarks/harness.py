@@ -15,6 +15,7 @@ the chosen model.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -1149,6 +1150,55 @@ def write_results(out: Path, name: str, payload: Mapping[str, Any], page: str) -
     """A benchmark's results: ``out/<name>.json`` (:func:`write_json`) and its markdown page ``out/<name>.md``."""
     write_json(out / f"{name}.json", payload)
     (out / f"{name}.md").write_text(page)
+
+
+def cell_analysis_parser(doc: str | None, name: str, knobs: int) -> argparse.ArgumentParser:
+    """Command line of an analysis of cached one-shot uploads, cell by cell and seed by seed.
+
+    ``name`` names the results files; ``knobs`` is how many of the analysis's knob settings run by default.
+    """
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", default="fashion-mnist")
+    p.add_argument("--model", default="fednet")
+    p.add_argument("--validation-size", type=int, default=500)
+    p.add_argument("--alphas", nargs="+", type=float, default=[0.1])
+    p.add_argument("--inits", nargs="+", choices=INITS, default=["independent"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--knobs", type=int, default=knobs, help="how many of the knob settings to run")
+    p.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--name", default=name)
+    p.add_argument("--threads", type=int, default=None)
+    return p
+
+
+def run_cell_analysis(
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    run_setting: Callable[[Setting, argparse.Namespace, Callable[[str], None]], list[dict[str, Any]]],
+    page: Callable[[dict[str, Any]], str],
+    **fields: Any,
+) -> dict[str, Any]:
+    """Run ``run_setting`` on every (alpha, init, seed) of ``args`` (:func:`cell_analysis_parser`).
+
+    The payload (command, machine, ``fields``, rows, seconds) and its page are rewritten after every cell.
+    """
+    set_threads(args.threads)
+    log = setup_logging(True)
+    start = time.perf_counter()
+    payload: dict[str, Any] = {"command": command_line(argv), "machine": machine_description(), **fields, "rows": []}
+    for alpha in args.alphas:
+        for init in args.inits:
+            for seed in args.seeds:
+                setting = Setting(args.dataset, args.model, args.clients, alpha, init, seed, args.epochs,
+                                  validation_size=args.validation_size)
+                log(f"{setting.column()} seed {seed}")
+                payload["rows"] += run_setting(setting, args, log)
+                payload["seconds"] = time.perf_counter() - start
+                write_results(args.out, args.name, payload, page(payload))
+    return payload
 
 
 def setup_logging(verbose: bool = True) -> Callable[[str], None]:

@@ -41,21 +41,8 @@ KNOBS = ((0.5, 1e-3, "size"), (0.3, 1e-3, "none"), (0.7, 1e-3, "size"))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default="fashion-mnist")
-    p.add_argument("--model", default="fednet")
-    p.add_argument("--validation-size", type=int, default=500)
-    p.add_argument("--alphas", nargs="+", type=float, default=[0.1])
-    p.add_argument("--inits", nargs="+", choices=H.INITS, default=["independent"])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--clients", type=int, default=6)
-    p.add_argument("--knobs", type=int, default=len(KNOBS), help="how many of the knob settings to run")
-    p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)
-    p.add_argument("--out", type=Path, default=H.RESULTS_DIR)
-    p.add_argument("--name", default="reference_choice")
-    p.add_argument("--threads", type=int, default=None)
-    return p.parse_args(argv)
+    """The command line (:func:`benchmarks.harness.cell_analysis_parser`)."""
+    return H.cell_analysis_parser(__doc__, "reference_choice", len(KNOBS)).parse_args(argv)
 
 
 def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
@@ -174,21 +161,9 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run every cell and seed; returns the payload written to the results files."""
     args = parse_args(argv)
-    H.set_threads(args.threads)
-    log = H.setup_logging(True)
-    start = time.perf_counter()
-    payload: dict[str, Any] = {"command": H.command_line(argv), "machine": H.machine_description(), "rows": []}
-    for alpha in args.alphas:
-        for init in args.inits:
-            for seed in args.seeds:
-                setting = H.Setting(args.dataset, args.model, args.clients, alpha, init, seed, args.epochs,
-                                    validation_size=args.validation_size)
-                log(f"{setting.column()} seed {seed}")
-                payload["rows"] += run_setting(setting, args, log)
-                payload["seconds"] = time.perf_counter() - start
-                H.write_results(args.out, args.name, payload, markdown(payload))
-    return payload
+    return H.run_cell_analysis(args, argv, run_setting, markdown)
 
 
 if __name__ == "__main__":
