@@ -55,11 +55,6 @@ KNOBS = reference_choice.KNOBS
 Model = Mapping[str, np.ndarray]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (:func:`benchmarks.harness.cell_analysis_parser`)."""
-    return H.cell_analysis_parser(__doc__, "alignment_cause", len(KNOBS)).parse_args(argv)
-
-
 def weight_movement(trained: Model, initial: Model) -> dict[str, dict[str, float]]:
     """Per weight tensor (two axes or more), ``{"relative_distance": ||w_T - w_0|| / ||w_0||, "cosine": cos(w_T, w_0)}``.
 
@@ -143,10 +138,12 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
     up = H.one_shot_uploads(setting, split, buffers, args.cache_dir, None, log).quantized
     k_clients = len(up.weights)
     ref = int(np.argmax(up.num_examples))
-    initial = [H.state_numpy(cfg.build_model(split) if setting.init == "shared"
-                             else cfg.build_model(split, seed=cfg.client_init_seed(k))) for k in range(k_clients)]
+    if setting.init == "shared":
+        initial = [H.state_numpy(cfg.build_model(split))] * k_clients
+    else:
+        initial = [H.state_numpy(cfg.build_model(split, seed=cfg.client_init_seed(k))) for k in range(k_clients)]
     movement = [weight_movement(w, w0) for w, w0 in zip(up.weights, initial)]
-    inputs = torch.stack([split.validation[i][0] for i in range(len(split.validation))])
+    inputs = torch.cat([x for x, _ in ev.validation]).cpu()  # the validation inputs, already stacked
     acts = [hidden_activations(H.load_numpy(build(), w), spec, inputs) for w in up.weights]
     perms = activation_alignment(acts, ref)
     act_w, act_f = permuted(up.weights, spec, perms), permuted(up.fishers, spec, perms)
@@ -198,9 +195,10 @@ def markdown(payload: Mapping[str, Any]) -> str:
         "# Why the alignment fails with independent initialisations",
         "",
         "Same cached one-shot uploads for every column; test accuracy in %. For each alignment the knob setting "
-        f"(ρ, λ, Fisher scaling) is the one with the best accuracy on the {payload['validation_size']} server validation "
+        f"(ρ, λ, Fisher scaling) is the one with the best accuracy on the {rows[0]['validation_size']} server validation "
         "examples. *Activation* columns align each client's hidden units to the reference client's by the correlation "
-        f"of their activations on those {payload['validation_size']} unlabelled inputs: a probe, not a protocol-1 method. J is FedFiOT's objective "
+        f"of their activations on those {rows[0]['validation_size']} unlabelled inputs: a probe, not a protocol-1 "
+        "method. J is FedFiOT's objective "
         "(lower is what the weight-space merge looks for); the per-seed J columns are at each alignment's chosen "
         "knobs, the last table compares the two alignments at the same knobs.",
         "",
@@ -261,9 +259,8 @@ def markdown(payload: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run every cell and seed; returns the payload written to the results files."""
-    args = parse_args(argv)
-    return H.run_cell_analysis(args, argv, run_setting, markdown, validation_size=args.validation_size)
+    """Run every cell and seed of the command line; returns the payload written to the results files."""
+    return H.run_cell_analysis(argv, __doc__, "alignment_cause", len(KNOBS), run_setting, markdown)
 
 
 if __name__ == "__main__":

@@ -1175,20 +1175,23 @@ def cell_analysis_parser(doc: str | None, name: str, knobs: int) -> argparse.Arg
 
 
 def run_cell_analysis(
-    args: argparse.Namespace,
     argv: Sequence[str] | None,
+    doc: str | None,
+    name: str,
+    knobs: int,
     run_setting: Callable[[Setting, argparse.Namespace, Callable[[str], None]], list[dict[str, Any]]],
     page: Callable[[dict[str, Any]], str],
-    **fields: Any,
 ) -> dict[str, Any]:
-    """Run ``run_setting`` on every (alpha, init, seed) of ``args`` (:func:`cell_analysis_parser`).
+    """An analysis script's ``main``: parse ``argv`` (:func:`cell_analysis_parser`), then run
+    ``run_setting`` on every (alpha, init, seed) it names.
 
-    The payload (command, machine, ``fields``, rows, seconds) and its page are rewritten after every cell.
+    The payload (command, machine, rows, seconds) and its page are rewritten after every cell.
     """
+    args = cell_analysis_parser(doc, name, knobs).parse_args(argv)
     set_threads(args.threads)
     log = setup_logging(True)
     start = time.perf_counter()
-    payload: dict[str, Any] = {"command": command_line(argv), "machine": machine_description(), **fields, "rows": []}
+    payload: dict[str, Any] = {"command": command_line(argv), "machine": machine_description(), "rows": []}
     for alpha in args.alphas:
         for init in args.inits:
             for seed in args.seeds:

@@ -40,11 +40,6 @@ KNOBS = ((0.5, 1e-3, "size"), (0.3, 1e-3, "none"), (0.7, 1e-3, "size"))
 """(rho, lam, Fisher scaling) settings, each run from every reference."""
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (:func:`benchmarks.harness.cell_analysis_parser`)."""
-    return H.cell_analysis_parser(__doc__, "reference_choice", len(KNOBS)).parse_args(argv)
-
-
 def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
     """Every reference at every knob setting of one cell."""
     split = setting.app_config().split()
@@ -161,9 +156,8 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run every cell and seed; returns the payload written to the results files."""
-    args = parse_args(argv)
-    return H.run_cell_analysis(args, argv, run_setting, markdown)
+    """Run every cell and seed of the command line; returns the payload written to the results files."""
+    return H.run_cell_analysis(argv, __doc__, "reference_choice", len(KNOBS), run_setting, markdown)
 
 
 if __name__ == "__main__":
