@@ -263,3 +263,31 @@ def test_alignment_cause_probes_every_alignment_and_picks_knobs_on_validation(tm
     assert all(m["fc1.weight"]["cosine"] > 0.9 for m in shared["movement"])
     assert all(a == 1.0 for a in shared["candidates"]["weight"][0]["agreement"].values())
     assert "How far local training moved the weights" in (tmp_path / "cause.md").read_text()
+
+
+def test_fisher_kind_recomputes_the_clients_fisher_and_merges_every_kind(tmp_path: Path) -> None:
+    from benchmarks import fisher_kind
+
+    setting = H.Setting("digits", "mlp", 3, 0.5, "shared", 0, 1, validation_size=200)
+    split = setting.app_config().split()
+    build, _, buffers = H.model_tools(setting, split)
+    cached = H.one_shot_uploads(setting, split, buffers, tmp_path / "cache", None, lambda s: None)
+    # the empirical kind recomputed from the trained weights is what the clients uploaded
+    again, _ = fisher_kind.uploads_with_fisher(cached, setting, split, build, buffers, "empirical")
+    for sent, recomputed in zip(cached.quantized.fishers, again.quantized.fishers):
+        assert set(sent) == set(recomputed)
+        for k in sent:
+            np.testing.assert_allclose(recomputed[k], sent[k], rtol=2e-3, atol=1e-12)
+    sampled, _ = fisher_kind.uploads_with_fisher(cached, setting, split, build, buffers, "sampled")
+    assert any(not np.allclose(s[k], e[k]) for s, e in zip(sampled.quantized.fishers, cached.quantized.fishers)
+               for k in s)
+    assert [w["fc1.weight"].tobytes() for w in sampled.quantized.weights] == \
+        [w["fc1.weight"].tobytes() for w in cached.quantized.weights]
+
+    payload = fisher_kind.main(["--dataset", "digits", "--model", "mlp", "--validation-size", "200", "--clients",
+                                "3", "--alphas", "0.5", "--epochs", "1", "--inits", "shared", "--out", str(tmp_path),
+                                "--cache-dir", str(tmp_path / "cache"), "--name", "kinds"])
+    assert {(r["fisher_kind"], r["method"]) for r in payload["rows"]} == \
+        {(k, m) for k in fisher_kind.KINDS for m in fisher_kind.METHODS}
+    page = (tmp_path / "kinds.md").read_text()
+    assert all(f"| {kind} |" in page for kind in fisher_kind.KINDS)
