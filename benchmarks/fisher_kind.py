@@ -112,8 +112,8 @@ def page(payload: dict[str, Any]) -> str:
     lines += ["", f"Test accuracy (%), {rows[0]['dataset']}, K = {rows[0]['clients']}, the same trained weights "
               "in every row of a column; knobs chosen on the "
               f"{rows[0]['validation_size']} server validation examples, which fit nothing. Fisher pass, all "
-              "clients of a cell summed (mean over cells): " + ", ".join(f"{k} {s:.0f} s" for k, s in secs.items())
-              + "."]
+              "clients of a cell summed (mean over cells; the empirical one as measured when the uploads were "
+              "produced, the others in this run): " + ", ".join(f"{k} {s:.0f} s" for k, s in secs.items()) + "."]
     return "\n".join(lines) + "\n"
 
 

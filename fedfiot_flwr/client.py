@@ -156,9 +156,11 @@ def fisher_reply(
     num_examples : int, optional
         Local data-set size (the merge weights clients by it); default: ``metrics["num-examples"]``,
         else ``len(loader.dataset)``.
-    fisher_kind : {"empirical", "true"}
-        ``"empirical"`` (observed labels, FedFiOT's choice) or ``"true"`` (expectation over the
-        model's predictions).
+    fisher_kind : {"empirical", "true", "sampled"}
+        ``"empirical"`` (observed labels, FedFiOT's choice), ``"true"`` (expectation over the
+        model's predictions, C backward vectors per example) or ``"sampled"`` (one label per
+        example drawn from the model's predictions: the true Fisher's estimate at the empirical
+        one's cost). All three are the same bytes on the wire.
     device : torch.device or str, optional
         Where the Fisher pass runs (default: CUDA when available).
     progress : bool, optional
