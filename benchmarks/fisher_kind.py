@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,23 +45,22 @@ LABELS = {"fedfiot-default": "FedFiOT default preset", "fedfiot": "FedFiOT paper
 
 
 def uploads_with_fisher(uploads: H.Uploads, setting: H.Setting, split: Any, build: Any, buffers: Sequence[str],
-                        kind: str) -> tuple[H.Uploads, float]:
+                        kind: str) -> H.Uploads:
     """The same trained weights with each client's diagonal Fisher of ``kind``, packed by the client's code.
 
-    Returns the uploads and the summed seconds of the Fisher passes.
+    Their ``fisher_seconds`` is the summed time of the Fisher passes.
     """
-    rounds, seconds = [], 0.0
+    rounds = []
     for pid, weights in enumerate(uploads.float32.weights):
         model = H.load_numpy(build(), weights)
         torch.manual_seed(1000 * setting.seed + pid)  # the sampled labels
         t0 = time.perf_counter()
-        fisher = {k: v.detach().cpu().numpy() for k, v in
-                  diagonal_fisher(model, DataLoader(split.client_eval(pid), batch_size=1000), kind,
-                                  progress=False).items()}
-        seconds += time.perf_counter() - t0
+        fisher = {k: v.detach().cpu().numpy()
+                  for k, v in diagonal_fisher(model, H.fisher_loader(split, pid), kind, progress=False).items()}
+        seconds = time.perf_counter() - t0
         reply = pack_reply(weights, fisher, uploads.quantized.num_examples[pid], uploads.quantized.metrics[pid])
-        rounds.append(ClientRound(reply, dict(weights), fisher, 0.0, 0.0))
-    return H.collect(rounds, buffers, uploads.broadcast), seconds
+        rounds.append(ClientRound(reply, dict(weights), fisher, 0.0, seconds))
+    return H.collect(rounds, buffers, uploads.broadcast)
 
 
 def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
@@ -75,10 +73,9 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[
     base = H.record_fields(setting)
     rows: list[dict[str, Any]] = []
     for kind in KINDS[:args.knobs]:
-        if kind == "empirical":  # the uploads as the clients sent them
-            uploads, seconds = cached, cached.fisher_seconds
-        else:
-            uploads, seconds = uploads_with_fisher(cached, setting, split, build, buffers, kind)
+        # the empirical kind: the uploads as the clients sent them
+        uploads = cached if kind == "empirical" else uploads_with_fisher(cached, setting, split, build, buffers, kind)
+        seconds = uploads.fisher_seconds
         for method in METHODS:
             res = H.apply_method(method, configs[method], uploads, spec, buffers, ev.validate)
             test = ev.test(res.model)[1]

@@ -229,6 +229,11 @@ def load_numpy(model: torch.nn.Module, state: Mapping[str, np.ndarray]) -> torch
     return model
 
 
+def fisher_loader(split: FederatedSplit, partition_id: int) -> DataLoader:
+    """A client's examples as its Fisher (or curvature) pass sees them: once, without augmentation, in batches of 1000."""
+    return DataLoader(split.client_eval(partition_id), batch_size=1000)
+
+
 def train_client(
     cfg: AppConfig,
     split: FederatedSplit,
@@ -271,9 +276,8 @@ def train_client(
     seed = client_seed(cfg.seed, server_round, partition_id)
     gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(split.clients[partition_id], batch_size=cfg.batch_size, shuffle=True, generator=gen)
-    fisher_loader = DataLoader(split.client_eval(partition_id), batch_size=1000)
     torch.manual_seed(seed)
-    return train_round(model, loader, cfg.local_epochs, device=device, fisherloader=fisher_loader,
+    return train_round(model, loader, cfg.local_epochs, device=device, fisherloader=fisher_loader(split, partition_id),
                        num_examples=len(split.client_indices[partition_id]), progress=False, lr=cfg.lr)
 
 
@@ -841,7 +845,7 @@ def curvature_replies(
             continue
         cached = False
         model = load_numpy(build(), uploads.float32.weights[pid])
-        loader = DataLoader(split.client_eval(pid), batch_size=1000)
+        loader = fisher_loader(split, pid)
         t0 = time.perf_counter()
         reply = curvature_reply(method, model, loader, num_examples=len(split.client_indices[pid]),
                             metrics=uploads.quantized.metrics[pid], fisher_kind=fisher_kind, device=device)
@@ -1232,7 +1236,7 @@ __all__ = [
     "upload_table", "DEFAULT_PRESET", "EXTRA_METHODS", "Evaluator", "GRIDS", "METHOD_LABELS",
     "MethodResult", "ONE_SHOT_METHODS", "RESULTS_DIR", "Setting", "UPLOADS", "UPLOAD_OF", "Uploads",
     "accuracy_table", "apply_method", "client_seed", "collect", "command_line", "engine_config",
-    "fedfiot_alignment_fraction", "flower_fedavg", "fraction_table", "knob_table", "knobs_description",
+    "fedfiot_alignment_fraction", "fisher_loader", "flower_fedavg", "fraction_table", "knob_table", "knobs_description",
     "load_numpy", "machine_description", "mean_std", "merge_outcome", "method_config", "method_configs",
     "model_tools", "one_shot_uploads", "record_fields", "round_context", "set_threads", "setup_logging",
     "state_numpy", "swept_knobs", "train_client", "upload_of", "write_json",

@@ -273,12 +273,12 @@ def test_fisher_kind_recomputes_the_clients_fisher_and_merges_every_kind(tmp_pat
     build, _, buffers = H.model_tools(setting, split)
     cached = H.one_shot_uploads(setting, split, buffers, tmp_path / "cache", None, lambda s: None)
     # the empirical kind recomputed from the trained weights is what the clients uploaded
-    again, _ = fisher_kind.uploads_with_fisher(cached, setting, split, build, buffers, "empirical")
+    again = fisher_kind.uploads_with_fisher(cached, setting, split, build, buffers, "empirical")
     for sent, recomputed in zip(cached.quantized.fishers, again.quantized.fishers):
         assert set(sent) == set(recomputed)
         for k in sent:
             np.testing.assert_allclose(recomputed[k], sent[k], rtol=2e-3, atol=1e-12)
-    sampled, _ = fisher_kind.uploads_with_fisher(cached, setting, split, build, buffers, "sampled")
+    sampled = fisher_kind.uploads_with_fisher(cached, setting, split, build, buffers, "sampled")
     assert any(not np.allclose(s[k], e[k]) for s, e in zip(sampled.quantized.fishers, cached.quantized.fishers)
                for k in s)
     assert [w["fc1.weight"].tobytes() for w in sampled.quantized.weights] == \
