@@ -40,8 +40,6 @@ KINDS = ("empirical", "sampled", "true")
 """The Fisher kinds compared, in table order."""
 METHODS = ("fedfiot-default", "fedfiot", "fisher-merge")
 """The Fisher-weighted rows recomputed for each kind."""
-LABELS = {"fedfiot-default": "FedFiOT default preset", "fedfiot": "FedFiOT paper preset",
-          "fisher-merge": "Fisher merging"}
 
 
 def uploads_with_fisher(uploads: H.Uploads, setting: H.Setting, split: Any, build: Any, buffers: Sequence[str],
@@ -101,7 +99,7 @@ def page(payload: dict[str, Any]) -> str:
             vals = [[r["test_accuracy"] for r in rows if (r["alpha"], r["init"], r["epochs"]) == c
                      and r["method"] == method and r["fisher_kind"] == kind] for c in cells]
             if any(vals):
-                lines.append(f"| {LABELS[method]} | {kind} | " + " | ".join(
+                lines.append(f"| {H.METHOD_LABELS[method]} | {kind} | " + " | ".join(
                     (H.fmt_pct(*H.mean_std(v)) + (f" (n={len(v)})" if len(v) > 1 else "")) if v else ""
                     for v in vals) + " |")
     secs = {k: np.mean([r["fisher_seconds"] for r in rows if r["fisher_kind"] == k]) for k in KINDS
