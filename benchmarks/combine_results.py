@@ -7,7 +7,7 @@ rendered with ``one_shot.py``'s own functions.
 
     .venv/bin/python benchmarks/combine_results.py runs/*.json --name one_shot
 
-``--equal-terms equal_terms.json`` adds the second protocol (server data may also fit:
+``--drop METHOD ...`` leaves those methods' records out. ``--equal-terms equal_terms.json`` adds the second protocol (server data may also fit:
 ``benchmarks/equal_terms.py``'s records, kept under the payload's ``"equal_terms"`` key) to the page.
 """
 
@@ -18,6 +18,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,8 +36,9 @@ NUMERIC_SUFFIXES = ("accuracy", "loss", "fraction_permuted", "seconds")
 """Record fields that JSON stores as null when NaN (read back as NaN)."""
 
 
-def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
-    """One payload holding every record and setting of ``payloads`` (later files win on duplicates)."""
+def combine(payloads: list[dict[str, Any]], drop: Collection[str] = ()) -> dict[str, Any]:
+    """One payload holding every record and setting of ``payloads`` (later files win on duplicates),
+    without the records of the methods in ``drop``."""
     records: dict[tuple[Any, ...], dict[str, Any]] = {}
     settings: dict[tuple[Any, ...], dict[str, Any]] = {}
     grids: dict[str, Any] = {}
@@ -45,6 +47,8 @@ def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
         commands.append(p["command"])
         grids.update(p.get("grids", {}))
         for r in p["records"]:
+            if r["method"] in drop:
+                continue
             r = {k: (math.nan if v is None and k.endswith(NUMERIC_SUFFIXES) else v) for k, v in r.items()}
             records[(r["method"], r["dataset"], r["alpha"], r["init"], r["epochs"], r["seed"])] = r
             if r["method"] not in methods:
@@ -61,7 +65,7 @@ def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
     ordered = sorted(records.values(), key=lambda r: (r["epochs"], r["alpha"], r["init"] != "shared", r["seed"]))
     equal_terms = next((p["equal_terms"] for p in reversed(payloads) if p.get("equal_terms")), None)
     return {
-        "command": " ; ".join(commands),
+        "command": " ; ".join(commands) + (f" (combined without the records of {', '.join(sorted(drop))})" if drop else ""),
         "machine": payloads[-1]["machine"],
         "started": min(p["started"] for p in payloads),
         "methods": [m for m in ROW_ORDER if m in methods] + [m for m in methods if m not in ROW_ORDER],
@@ -91,8 +95,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--equal-terms", type=Path, default=None,
                    help="an equal_terms.py JSON: its records become the page's second protocol")
+    p.add_argument("--drop", nargs="+", default=[], metavar="METHOD",
+                   help="leave these methods' records out (e.g. rows measured on uploads the others no longer share)")
     args = p.parse_args(argv)
-    payload = combine([json.loads(f.read_text()) for f in args.inputs])
+    payload = combine([json.loads(f.read_text()) for f in args.inputs], drop=args.drop)
     if args.equal_terms is not None:
         payload["equal_terms"] = json.loads(args.equal_terms.read_text())["records"]
     rows = [m for m in payload["methods"] if m != "fedfiot-own"]

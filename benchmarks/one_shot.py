@@ -253,10 +253,7 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
         "",
         baseline_margins(payload, methods),
         "",
-        "## FedFiOT merge + refine=RefineOptions() against every selection-only rival (it alone trains on server examples; the same refinement after every rival: equal_terms.md)",
-        "",
-        S.default_comparison(payload),
-        "",
+        *_refined_section(payload),
         *_equal_terms_section(payload),
         "## Validation accuracy of the chosen knobs",
         "",
@@ -294,6 +291,14 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
     if payload.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(payload["skipped"])]
     return "\n".join(lines) + "\n"
+
+
+def _refined_section(payload: dict[str, Any]) -> list[str]:
+    """The refined merge against the selection-only rivals, when the run has ``fedfiot-refined`` rows."""
+    if not any(r["method"] == "fedfiot-refined" for r in payload["records"]):
+        return []
+    return ["## FedFiOT merge + refine=RefineOptions() against every selection-only rival (it alone trains on server "
+            "examples; the same refinement after every rival: equal_terms.md)", "", S.default_comparison(payload), ""]
 
 
 def _col_mean(recs: Sequence[dict[str, Any]], method: str, col: tuple[Any, ...]) -> float:

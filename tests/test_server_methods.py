@@ -58,6 +58,31 @@ def test_combine_keeps_the_later_record_of_a_duplicate() -> None:
     assert out["methods"] == ["fedavg", "fedfiot-refined"]
 
 
+def test_combine_drops_the_methods_it_is_told_to_and_the_page_loses_their_section(tmp_path) -> None:
+    import json
+
+    def payload(method: str, acc: float) -> dict:
+        return {"command": "x", "machine": "m", "started": "t", "grids": {}, "skipped": [],
+                "records": [{**_rec(method, acc), "test_loss": 1.0, "fraction_permuted": 0.0}],
+                "settings": [{"dataset": "fashion-mnist", "alpha": 0.1, "init": "shared", "epochs": 5, "seed": 0,
+                              "merge_sweep_seconds": 1.0, "test_seconds": 2.0, "train_seconds": 3.0,
+                              "fisher_seconds": 4.0, "cached": True, "client_sizes": [1]}],
+                "timing": {"wall_seconds": 5.0}}
+
+    files = []
+    for i, p in enumerate([payload("fedavg", 0.5), payload("fedfiot-refined", 0.8)]):
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(p))
+    kept = combine_results.main([*map(str, files), "--out", str(tmp_path), "--name", "all", "--no-plots"])
+    dropped = combine_results.main([*map(str, files), "--out", str(tmp_path), "--name", "some", "--no-plots",
+                                    "--drop", "fedfiot-refined"])
+    assert {r["method"] for r in kept["records"]} == {"fedavg", "fedfiot-refined"}
+    assert [r["method"] for r in dropped["records"]] == ["fedavg"] and dropped["methods"] == ["fedavg"]
+    assert "without the records of fedfiot-refined" in dropped["command"] and "without" not in kept["command"]
+    section = "against every selection-only rival"
+    assert section in (tmp_path / "all.md").read_text() and section not in (tmp_path / "some.md").read_text()
+
+
 def test_the_audit_folds_split_the_selection_fold_in_two() -> None:
     from benchmarks.audit_folds import three_folds
     from fedfiot_flwr.refine.stage import split_folds
