@@ -1156,10 +1156,12 @@ def write_results(out: Path, name: str, payload: Mapping[str, Any], page: str) -
     (out / f"{name}.md").write_text(page)
 
 
-def cell_analysis_parser(doc: str | None, name: str, knobs: int) -> argparse.ArgumentParser:
+def cell_analysis_parser(doc: str | None, name: str, knobs: int,
+                         extra_args: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.ArgumentParser:
     """Command line of an analysis of cached one-shot uploads, cell by cell and seed by seed.
 
-    ``name`` names the results files; ``knobs`` is how many of the analysis's knob settings run by default.
+    ``name`` names the results files; ``knobs`` is how many of the analysis's knob settings run by
+    default; ``extra_args`` adds the analysis's own options.
     """
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="fashion-mnist")
@@ -1175,6 +1177,8 @@ def cell_analysis_parser(doc: str | None, name: str, knobs: int) -> argparse.Arg
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--name", default=name)
     p.add_argument("--threads", type=int, default=None)
+    if extra_args is not None:
+        extra_args(p)
     return p
 
 
@@ -1185,13 +1189,14 @@ def run_cell_analysis(
     knobs: int,
     run_setting: Callable[[Setting, argparse.Namespace, Callable[[str], None]], list[dict[str, Any]]],
     page: Callable[[dict[str, Any]], str],
+    extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> dict[str, Any]:
-    """An analysis script's ``main``: parse ``argv`` (:func:`cell_analysis_parser`), then run
-    ``run_setting`` on every (alpha, init, seed) it names.
+    """An analysis script's ``main``: parse ``argv`` (:func:`cell_analysis_parser`, with the
+    analysis's ``extra_args``), then run ``run_setting`` on every (alpha, init, seed) it names.
 
     The payload (command, machine, rows, seconds) and its page are rewritten after every cell.
     """
-    args = cell_analysis_parser(doc, name, knobs).parse_args(argv)
+    args = cell_analysis_parser(doc, name, knobs, extra_args).parse_args(argv)
     set_threads(args.threads)
     log = setup_logging(True)
     start = time.perf_counter()

@@ -265,6 +265,44 @@ def test_alignment_cause_probes_every_alignment_and_picks_knobs_on_validation(tm
     assert "How far local training moved the weights" in (tmp_path / "cause.md").read_text()
 
 
+def test_merge_many_matches_each_client_to_the_others_and_picks_knobs_on_validation(tmp_path: Path) -> None:
+    from benchmarks import merge_many
+
+    payload = merge_many.main(["--dataset", "digits", "--model", "mlp", "--validation-size", "200",
+                               "--clients", "3", "--alphas", "0.5", "--epochs", "1", "--knobs", "2",
+                               "--inits", "independent", "shared", "--out", str(tmp_path),
+                               "--cache-dir", str(tmp_path / "cache"), "--name", "mm"])
+    independent, shared = payload["rows"]
+    for row in payload["rows"]:
+        for method, candidates in row["candidates"].items():
+            assert len(candidates) == 2
+            assert row["chosen"][method]["validation_accuracy"] == max(c["validation_accuracy"] for c in candidates)
+    # Two clients that are the same trained model with its hidden units shuffled: the sweeps undo the
+    # shuffle exactly and stop, and the two aligned models are the same model.
+    setting = H.Setting("digits", "mlp", 3, 0.5, "independent", 0, 1, validation_size=200)
+    split = setting.app_config().split()
+    _, spec, buffers = H.model_tools(setting, split)
+    q = H.one_shot_uploads(setting, split, buffers, tmp_path / "cache", None, lambda s: None).quantized
+    rng = np.random.default_rng(0)
+    one = merge_many.prepare_clients(q.weights[:1], q.fishers[:1], num_examples=q.num_examples[:1])
+    sizes = {g: len(a[0]) for g, a in merge_many.merge(one, None, spec, matching="none").permutations.items()}
+    shuffle = {g: rng.permutation(m) for g, m in sizes.items()}
+    model, fisher = q.weights[0], q.fishers[0]
+    shuffled = merge_many.apply_permutations(model, spec, shuffle)
+    uploads = merge_many.Uploads([model, shuffled], [fisher, merge_many.apply_permutations(fisher, spec, shuffle)],
+                                 [100, 100], spec, buffers)
+    identity = {g: [np.arange(m), np.arange(m)] for g, m in sizes.items()}
+    perms, sweeps, converged = merge_many.merge_many(uploads, identity, 5, rho=0.5, lam=1e-3)
+    assert converged and sweeps == 2
+    aligned = [merge_many.apply_permutations(m, spec, {g: perms[g][k] for g in perms})
+               for k, m in enumerate([model, shuffled])]
+    assert all(np.array_equal(aligned[0][n], aligned[1][n]) for n in model)
+    assert any(not np.array_equal(p, np.arange(len(p))) for arrays in perms.values() for p in arrays)
+    # One shared initialisation: the units already correspond and nothing moves.
+    assert all(c["fraction_permuted"] == 0.0 for c in shared["candidates"]["merge-many"])
+    assert "MergeMany" in (tmp_path / "mm.md").read_text()
+
+
 def test_fisher_kind_recomputes_the_clients_fisher_and_merges_every_kind(tmp_path: Path) -> None:
     from benchmarks import fisher_kind
 
