@@ -7,8 +7,9 @@ rendered with ``one_shot.py``'s own functions.
 
     .venv/bin/python benchmarks/combine_results.py runs/*.json --name one_shot
 
-``--drop METHOD ...`` leaves those methods' records out. ``--equal-terms equal_terms.json`` adds the second protocol (server data may also fit:
-``benchmarks/equal_terms.py``'s records, kept under the payload's ``"equal_terms"`` key) to the page.
+``--drop METHOD ...`` leaves those methods' records out. ``--equal-terms equal_terms.json`` adds the
+second protocol (server data may also fit: ``benchmarks/equal_terms.py``'s records, kept under the
+payload's ``"equal_terms"`` key) to the page.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -65,7 +66,8 @@ def combine(payloads: list[dict[str, Any]], drop: Collection[str] = ()) -> dict[
     ordered = sorted(records.values(), key=lambda r: (r["epochs"], r["alpha"], r["init"] != "shared", r["seed"]))
     equal_terms = next((p["equal_terms"] for p in reversed(payloads) if p.get("equal_terms")), None)
     return {
-        "command": " ; ".join(commands) + (f" (combined without the records of {', '.join(sorted(drop))})" if drop else ""),
+        "command": " ; ".join(commands)
+                   + (f" (combined without the records of {', '.join(sorted(drop))})" if drop else ""),
         "machine": payloads[-1]["machine"],
         "started": min(p["started"] for p in payloads),
         "methods": [m for m in ROW_ORDER if m in methods] + [m for m in methods if m not in ROW_ORDER],

@@ -49,7 +49,7 @@ Model = Mapping[str, np.ndarray]
 Perms = dict[str, list[np.ndarray]]
 
 
-class Uploads:
+class Clients:
     """The clients' weights, Fishers and sizes, with what every merge of them needs."""
 
     def __init__(self, weights: Sequence[Model], fishers: Sequence[Model], num_examples: Sequence[int],
@@ -57,12 +57,12 @@ class Uploads:
         self.weights, self.fishers, self.num_examples = list(weights), list(fishers), list(num_examples)
         self.spec, self.buffers = spec, list(buffers)
 
-    def merged(self, clients: Sequence[int], perms: Perms, **knobs: Any) -> MergeResult:
-        """The Fisher-weighted merge of ``clients``, each in the global order ``perms`` gives it."""
-        order = [{p: perms[p][k] for p in perms} for k in clients]
-        w = [apply_permutations(self.weights[k], self.spec, o) for k, o in zip(clients, order)]
-        f = [apply_permutations(self.fishers[k], self.spec, o) for k, o in zip(clients, order)]
-        prepared = prepare_clients(w, f, buffers=self.buffers, num_examples=[self.num_examples[k] for k in clients],
+    def merged(self, members: Sequence[int], perms: Perms, **knobs: Any) -> MergeResult:
+        """The Fisher-weighted merge of the clients ``members``, each in the global order ``perms`` gives it."""
+        order = [{p: perms[p][k] for p in perms} for k in members]
+        w = [apply_permutations(self.weights[k], self.spec, o) for k, o in zip(members, order)]
+        f = [apply_permutations(self.fishers[k], self.spec, o) for k, o in zip(members, order)]
+        prepared = prepare_clients(w, f, buffers=self.buffers, num_examples=[self.num_examples[k] for k in members],
                                    checked=True)
         return merge(prepared, None, self.spec, matching="none", fallback="none", **knobs)
 
@@ -74,7 +74,7 @@ class Uploads:
         return {p: res.permutations[p][0] for p in res.permutations}
 
 
-def merge_many(uploads: Uploads, start: Perms, max_sweeps: int = 10, **knobs: Any) -> tuple[Perms, int, bool]:
+def merge_many(clients: Clients, start: Perms, max_sweeps: int = 10, **knobs: Any) -> tuple[Perms, int, bool]:
     """Leave-one-out sweeps: every client matched to the merge of the others, until nothing changes.
 
     Returns the permutations, the number of sweeps run and whether the last one changed nothing.
@@ -87,7 +87,7 @@ def merge_many(uploads: Uploads, start: Perms, max_sweeps: int = 10, **knobs: An
     >>> one = {"w": np.array([[1.0], [5.0]], np.float32)}
     >>> two = {"w": np.array([[5.0], [1.0]], np.float32)}
     >>> ones = {"w": np.ones((2, 1), np.float32)}
-    >>> u = Uploads([one, two], [ones, ones], [10, 10], spec, [])
+    >>> u = Clients([one, two], [ones, ones], [10, 10], spec, [])
     >>> identity = {"P0": [np.arange(2), np.arange(2)]}
     >>> perms, sweeps, converged = merge_many(u, identity, rho=1.0, lam=1e-3)
     >>> [apply_permutations(m, spec, {"P0": perms["P0"][k]})["w"].ravel().tolist() for k, m in enumerate([one, two])]
@@ -96,12 +96,12 @@ def merge_many(uploads: Uploads, start: Perms, max_sweeps: int = 10, **knobs: An
     True
     """
     perms = {p: [np.asarray(a).copy() for a in arrays] for p, arrays in start.items()}
-    clients = range(len(uploads.weights))
+    everyone = range(len(clients.weights))
     for sweep in range(1, max_sweeps + 1):
         changed = False
-        for k in clients:
-            others = [j for j in clients if j != k]
-            new = uploads.matched_to(k, uploads.merged(others, perms, **knobs).model, **knobs)
+        for k in everyone:
+            others = [j for j in everyone if j != k]
+            new = clients.matched_to(k, clients.merged(others, perms, **knobs).model, **knobs)
             if any(not np.array_equal(new[p], perms[p][k]) for p in new):
                 changed = True
                 for p in new:
@@ -117,15 +117,15 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
     build, spec, buffers = H.model_tools(setting, split)
     ev = H.Evaluator(split, build)
     q = H.one_shot_uploads(setting, split, buffers, args.cache_dir, None, log).quantized
-    uploads = Uploads(q.weights, q.fishers, q.num_examples, spec, buffers)
+    clients = Clients(q.weights, q.fishers, q.num_examples, spec, buffers)
     everyone = list(range(len(q.weights)))
     largest = int(np.argmax(q.num_examples))
-    clients = prepare_clients(q.weights, q.fishers, buffers=buffers, num_examples=q.num_examples, checked=True)
+    prepared = prepare_clients(q.weights, q.fishers, buffers=buffers, num_examples=q.num_examples, checked=True)
     identity = {p: [np.arange(len(a)) for a in arrays] for p, arrays in
-                merge(clients, None, spec, matching="none", fallback="none").permutations.items()}
+                merge(prepared, None, spec, matching="none", fallback="none").permutations.items()}
 
     def scored(perms: Perms, **extra: Any) -> dict[str, Any]:
-        res = uploads.merged(everyone, perms, **knobs)
+        res = clients.merged(everyone, perms, **knobs)
         moved = float(np.mean([np.mean(perms[p][k] != np.arange(len(perms[p][k]))) for p in perms for k in everyone]))
         return {**knob, "validation_accuracy": ev.validate(res.model)["accuracy"], "test_accuracy": ev.test(res.model)[1],
                 "objective": res.objective, "fraction_permuted": moved, **extra}
@@ -135,11 +135,11 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
         knob = {"rho": rho, "lam": lam, "fisher_scaling": scaling}
         knobs = dict(rho=rho, lam=lam, fisher_scaling=scaling)
         t0 = time.perf_counter()
-        fedfiot = merge(clients, None, spec, reference=largest, fallback="none", **knobs).permutations
+        fedfiot = merge(prepared, None, spec, reference=largest, fallback="none", **knobs).permutations
         candidates["fedfiot"].append(scored(fedfiot, seconds=time.perf_counter() - t0))
         for method, start in (("merge-many", identity), ("merge-many-from-fedfiot", fedfiot)):
             t0 = time.perf_counter()
-            perms, sweeps, converged = merge_many(uploads, start, args.max_sweeps, **knobs)
+            perms, sweeps, converged = merge_many(clients, start, args.max_sweeps, **knobs)
             candidates[method].append(scored(perms, sweeps=sweeps, converged=converged,
                                              seconds=time.perf_counter() - t0))
         log(f"  rho={rho} lam={lam:g} {scaling}: " + ", ".join(

@@ -289,10 +289,10 @@ def test_merge_many_matches_each_client_to_the_others_and_picks_knobs_on_validat
     shuffle = {g: rng.permutation(m) for g, m in sizes.items()}
     model, fisher = q.weights[0], q.fishers[0]
     shuffled = merge_many.apply_permutations(model, spec, shuffle)
-    uploads = merge_many.Uploads([model, shuffled], [fisher, merge_many.apply_permutations(fisher, spec, shuffle)],
+    clients = merge_many.Clients([model, shuffled], [fisher, merge_many.apply_permutations(fisher, spec, shuffle)],
                                  [100, 100], spec, buffers)
     identity = {g: [np.arange(m), np.arange(m)] for g, m in sizes.items()}
-    perms, sweeps, converged = merge_many.merge_many(uploads, identity, 5, rho=0.5, lam=1e-3)
+    perms, sweeps, converged = merge_many.merge_many(clients, identity, 5, rho=0.5, lam=1e-3)
     assert converged and sweeps == 2
     aligned = [merge_many.apply_permutations(m, spec, {g: perms[g][k] for g in perms})
                for k, m in enumerate([model, shuffled])]
