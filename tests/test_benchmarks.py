@@ -240,13 +240,17 @@ def test_equal_terms_runs_the_shipped_refinement_after_every_start(tmp_path: Pat
     assert "margin on the mean" in page and "Fisher anchor" in page
 
 
+def _digits_analysis(tmp_path: Path, name: str) -> list[str]:
+    """An analysis script's command line on digits: 3 clients, 1 epoch, 2 knob settings, both inits."""
+    return ["--dataset", "digits", "--model", "mlp", "--validation-size", "200", "--clients", "3", "--alphas", "0.5",
+            "--epochs", "1", "--knobs", "2", "--inits", "independent", "shared", "--out", str(tmp_path),
+            "--cache-dir", str(tmp_path / "cache"), "--name", name]
+
+
 def test_alignment_cause_probes_every_alignment_and_picks_knobs_on_validation(tmp_path: Path) -> None:
     from benchmarks import alignment_cause
 
-    payload = alignment_cause.main(["--dataset", "digits", "--model", "mlp", "--validation-size", "200",
-                                    "--clients", "3", "--alphas", "0.5", "--epochs", "1", "--knobs", "2",
-                                    "--inits", "independent", "shared", "--out", str(tmp_path),
-                                    "--cache-dir", str(tmp_path / "cache"), "--name", "cause"])
+    payload = alignment_cause.main(_digits_analysis(tmp_path, "cause"))
     independent, shared = payload["rows"]
     for row in payload["rows"]:
         assert len(row["movement"]) == 3 and all(set(m) == {"fc1.weight", "fc2.weight", "fc3.weight"}
@@ -268,10 +272,7 @@ def test_alignment_cause_probes_every_alignment_and_picks_knobs_on_validation(tm
 def test_merge_many_matches_each_client_to_the_others_and_picks_knobs_on_validation(tmp_path: Path) -> None:
     from benchmarks import merge_many
 
-    payload = merge_many.main(["--dataset", "digits", "--model", "mlp", "--validation-size", "200",
-                               "--clients", "3", "--alphas", "0.5", "--epochs", "1", "--knobs", "2",
-                               "--inits", "independent", "shared", "--out", str(tmp_path),
-                               "--cache-dir", str(tmp_path / "cache"), "--name", "mm"])
+    payload = merge_many.main(_digits_analysis(tmp_path, "mm"))
     independent, shared = payload["rows"]
     for row in payload["rows"]:
         for method, candidates in row["candidates"].items():
