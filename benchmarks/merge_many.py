@@ -124,23 +124,23 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
     identity = {p: [np.arange(len(a)) for a in arrays] for p, arrays in
                 merge(prepared, None, spec, matching="none", fallback="none").permutations.items()}
 
-    def scored(perms: Perms, **extra: Any) -> dict[str, Any]:
+    def scored(perms: Perms, knobs: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        """The merge of every client in the order ``perms``, at ``knobs``: its accuracies and objective."""
         res = clients.merged(everyone, perms, **knobs)
         moved = float(np.mean([np.mean(perms[p][k] != np.arange(len(perms[p][k]))) for p in perms for k in everyone]))
-        return {**knob, "validation_accuracy": ev.validate(res.model)["accuracy"], "test_accuracy": ev.test(res.model)[1],
+        return {**knobs, "validation_accuracy": ev.validate(res.model)["accuracy"], "test_accuracy": ev.test(res.model)[1],
                 "objective": res.objective, "fraction_permuted": moved, **extra}
 
     candidates: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     for rho, lam, scaling in KNOBS[:args.knobs]:
-        knob = {"rho": rho, "lam": lam, "fisher_scaling": scaling}
-        knobs = dict(rho=rho, lam=lam, fisher_scaling=scaling)
+        knobs = {"rho": rho, "lam": lam, "fisher_scaling": scaling}
         t0 = time.perf_counter()
         fedfiot = merge(prepared, None, spec, reference=largest, fallback="none", **knobs).permutations
-        candidates["fedfiot"].append(scored(fedfiot, seconds=time.perf_counter() - t0))
+        candidates["fedfiot"].append(scored(fedfiot, knobs, seconds=time.perf_counter() - t0))
         for method, start in (("merge-many", identity), ("merge-many-from-fedfiot", fedfiot)):
             t0 = time.perf_counter()
             perms, sweeps, converged = merge_many(clients, start, args.max_sweeps, **knobs)
-            candidates[method].append(scored(perms, sweeps=sweeps, converged=converged,
+            candidates[method].append(scored(perms, knobs, sweeps=sweeps, converged=converged,
                                              seconds=time.perf_counter() - t0))
         log(f"  rho={rho} lam={lam:g} {scaling}: " + ", ".join(
             f"{m} {100 * c[-1]['test_accuracy']:.1f}% (J {c[-1]['objective']:.4g})" for m, c in candidates.items()))
