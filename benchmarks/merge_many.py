@@ -74,6 +74,12 @@ class Clients:
         return {p: res.permutations[p][0] for p in res.permutations}
 
 
+def identity_permutations(spec: PermutationSpec, model: Model, n_clients: int) -> Perms:
+    """Every client in its own order: the identity for each permutation of ``spec``, sized by ``model``."""
+    return {p: [np.arange(m) for _ in range(n_clients)]
+            for p, m in spec.sizes({n: np.shape(t) for n, t in model.items()}).items()}
+
+
 def merge_many(clients: Clients, start: Perms, max_sweeps: int = 10, **knobs: Any) -> tuple[Perms, int, bool]:
     """Leave-one-out sweeps: every client matched to the merge of the others, until nothing changes.
 
@@ -88,8 +94,7 @@ def merge_many(clients: Clients, start: Perms, max_sweeps: int = 10, **knobs: An
     >>> two = {"w": np.array([[5.0], [1.0]], np.float32)}
     >>> ones = {"w": np.ones((2, 1), np.float32)}
     >>> u = Clients([one, two], [ones, ones], [10, 10], spec, [])
-    >>> identity = {"P0": [np.arange(2), np.arange(2)]}
-    >>> perms, sweeps, converged = merge_many(u, identity, rho=1.0, lam=1e-3)
+    >>> perms, sweeps, converged = merge_many(u, identity_permutations(spec, one, 2), rho=1.0, lam=1e-3)
     >>> [apply_permutations(m, spec, {"P0": perms["P0"][k]})["w"].ravel().tolist() for k, m in enumerate([one, two])]
     [[5.0, 1.0], [5.0, 1.0]]
     >>> converged
@@ -121,8 +126,7 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
     everyone = list(range(len(q.weights)))
     largest = int(np.argmax(q.num_examples))
     prepared = prepare_clients(q.weights, q.fishers, buffers=buffers, num_examples=q.num_examples, checked=True)
-    identity = {p: [np.arange(len(a)) for a in arrays] for p, arrays in
-                merge(prepared, None, spec, matching="none", fallback="none").permutations.items()}
+    identity = identity_permutations(spec, q.weights[0], len(q.weights))
 
     def scored(perms: Perms, knobs: dict[str, Any], **extra: Any) -> dict[str, Any]:
         """The merge of every client in the order ``perms``, at ``knobs``: its accuracies and objective."""

@@ -285,14 +285,12 @@ def test_merge_many_matches_each_client_to_the_others_and_picks_knobs_on_validat
     _, spec, buffers = H.model_tools(setting, split)
     q = H.one_shot_uploads(setting, split, buffers, tmp_path / "cache", None, lambda s: None).quantized
     rng = np.random.default_rng(0)
-    one = merge_many.prepare_clients(q.weights[:1], q.fishers[:1], num_examples=q.num_examples[:1])
-    sizes = {g: len(a[0]) for g, a in merge_many.merge(one, None, spec, matching="none").permutations.items()}
-    shuffle = {g: rng.permutation(m) for g, m in sizes.items()}
+    identity = merge_many.identity_permutations(spec, q.weights[0], 2)
+    shuffle = {g: rng.permutation(len(p[0])) for g, p in identity.items()}
     model, fisher = q.weights[0], q.fishers[0]
     shuffled = merge_many.apply_permutations(model, spec, shuffle)
     clients = merge_many.Clients([model, shuffled], [fisher, merge_many.apply_permutations(fisher, spec, shuffle)],
                                  [100, 100], spec, buffers)
-    identity = {g: [np.arange(m), np.arange(m)] for g, m in sizes.items()}
     perms, sweeps, converged = merge_many.merge_many(clients, identity, 5, rho=0.5, lam=1e-3)
     assert converged and sweeps == 2
     aligned = [merge_many.apply_permutations(m, spec, {g: perms[g][k] for g in perms})
