@@ -42,16 +42,18 @@ def test_default_comparison_gives_the_margin_and_the_seeds_above_the_best_client
     assert "met" not in table and "**no**" not in table and "yes" not in table
 
 
-def test_combine_keeps_the_later_record_of_a_duplicate() -> None:
-    def payload(acc: float, method: str) -> dict:
-        return {"command": "x", "machine": "m", "started": "t", "grids": {}, "skipped": [],
-                "records": [_rec(method, acc)],
-                "settings": [{"dataset": "fashion-mnist", "alpha": 0.1, "init": "shared", "epochs": 5, "seed": 0,
-                              "merge_sweep_seconds": 1.0, "test_seconds": 2.0, "train_seconds": 3.0,
-                              "fisher_seconds": 4.0, "cached": True}],
-                "timing": {"wall_seconds": 5.0}}
+def _payload(method: str, acc: float) -> dict:
+    """A one_shot.py result file with one record of ``method`` in one setting."""
+    return {"command": "x", "machine": "m", "started": "t", "grids": {}, "skipped": [],
+            "records": [{**_rec(method, acc), "test_loss": 1.0, "fraction_permuted": 0.0}],
+            "settings": [{"dataset": "fashion-mnist", "alpha": 0.1, "init": "shared", "epochs": 5, "seed": 0,
+                          "merge_sweep_seconds": 1.0, "test_seconds": 2.0, "train_seconds": 3.0,
+                          "fisher_seconds": 4.0, "cached": True, "client_sizes": [1]}],
+            "timing": {"wall_seconds": 5.0}}
 
-    out = combine_results.combine([payload(0.5, "fedavg"), payload(0.6, "fedavg"), payload(0.7, "fedfiot-refined")])
+
+def test_combine_keeps_the_later_record_of_a_duplicate() -> None:
+    out = combine_results.combine([_payload("fedavg", 0.5), _payload("fedavg", 0.6), _payload("fedfiot-refined", 0.7)])
     accs = {r["method"]: r["test_accuracy"] for r in out["records"]}
     assert accs == {"fedavg": 0.6, "fedfiot-refined": 0.7}
     assert out["settings"][0]["merge_sweep_seconds"] == 3.0
@@ -61,16 +63,8 @@ def test_combine_keeps_the_later_record_of_a_duplicate() -> None:
 def test_combine_drops_the_methods_it_is_told_to_and_the_page_loses_their_section(tmp_path) -> None:
     import json
 
-    def payload(method: str, acc: float) -> dict:
-        return {"command": "x", "machine": "m", "started": "t", "grids": {}, "skipped": [],
-                "records": [{**_rec(method, acc), "test_loss": 1.0, "fraction_permuted": 0.0}],
-                "settings": [{"dataset": "fashion-mnist", "alpha": 0.1, "init": "shared", "epochs": 5, "seed": 0,
-                              "merge_sweep_seconds": 1.0, "test_seconds": 2.0, "train_seconds": 3.0,
-                              "fisher_seconds": 4.0, "cached": True, "client_sizes": [1]}],
-                "timing": {"wall_seconds": 5.0}}
-
     files = []
-    for i, p in enumerate([payload("fedavg", 0.5), payload("fedfiot-refined", 0.8)]):
+    for i, p in enumerate([_payload("fedavg", 0.5), _payload("fedfiot-refined", 0.8)]):
         files.append(tmp_path / f"{i}.json")
         files[-1].write_text(json.dumps(p))
     kept = combine_results.main([*map(str, files), "--out", str(tmp_path), "--name", "all", "--no-plots"])
