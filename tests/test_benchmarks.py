@@ -178,6 +178,23 @@ def test_few_round_smoke(tmp_path: Path) -> None:
     assert len(again["records"]) == len(recs)
 
 
+def test_gpu_check_quick_runs_every_section_and_writes_its_page(tmp_path: Path) -> None:
+    from benchmarks import gpu_check
+
+    payload = gpu_check.main(["--quick", "--sections", "client", "merge", "refine", "--out-dir", str(tmp_path)])
+    assert [r["model"] for r in payload["client"]] == ["fednet", "resnet18"]
+    for r in payload["client"]:
+        assert r["epoch_s"] > 0 and r["fisher_s"] > 0 and r["fisher_rel_diff_no_tf32"] < 1e-4, r["model"]
+    assert [r["case"] for r in payload["merge"]] == ["paper CNN", "ResNet-18", "wide layer"]
+    for r in payload["merge"]:  # the torch backend on this machine's device finds the numpy merge
+        assert r["same_permutations"] and r["max_abs_diff"] < 1e-5, r["case"]
+    devices = {r["device"] for r in payload["refine"]}
+    assert "cpu" in devices and all(0 <= r["selection_fold_accuracy"] <= 1 for r in payload["refine"])
+    page = (tmp_path / "gpu.md").read_text()
+    assert "## Merge" in page and "| paper CNN |" in page and "gpu_check.py --quick" in page
+    assert json.loads((tmp_path / "gpu.json").read_text())["merge"] == payload["merge"]
+
+
 def test_fedavg_gap_smoke(tmp_path: Path) -> None:
     from benchmarks import fedavg_gap
 

@@ -17,6 +17,7 @@ from fedfiot_flwr.models import build_model, permutation_spec
 from fedfiot_flwr.refine import RefineOptions, refine_merged_model
 from fedfiot_flwr.refine.finetune import distill_finetune
 from fedfiot_flwr.refine.ops import (
+    add_rows,
     client_neuron_stats,
     client_targets,
     layer_modules,
@@ -70,6 +71,21 @@ def test_layer_moments_reject_non_finite_rows() -> None:
         mom.add(np.full((4, 3), np.nan), np.zeros((4, 2)))
     with pytest.raises(ValueError, match="ridge"):
         ridge_refit(mom, np.zeros((2, 3)), 0.0)
+
+
+def test_rows_added_as_tensors_give_the_same_moments_as_numpy_rows() -> None:
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(50, 6)).astype(np.float32), rng.normal(size=(50, 3)).astype(np.float32)
+    direct, from_tensors = LayerMoments(6, 3), LayerMoments(6, 3)
+    direct.add(x, y)
+    add_rows(from_tensors, torch.as_tensor(x), torch.as_tensor(y))
+    np.testing.assert_allclose(from_tensors.xtx, direct.xtx, rtol=1e-12)
+    np.testing.assert_allclose(from_tensors.ytx, direct.ytx, rtol=1e-12)
+    assert (from_tensors.yty, from_tensors.rows) == pytest.approx((direct.yty, direct.rows), rel=1e-12)
+    with pytest.raises(ValueError, match="non-finite"):
+        add_rows(from_tensors, torch.full((2, 6), float("nan")), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"\(n, 6\) inputs"):
+        add_rows(from_tensors, torch.zeros(2, 5), torch.zeros(2, 3))
 
 
 def test_repair_rescale_restores_target_statistics() -> None:

@@ -41,6 +41,7 @@ from fedfiot_flwr.refine.ops import (
     layer_modules,
     least_squares_refine,
     load_state,
+    model_device,
     model_state,
     recalibrate_batchnorm,
     repair,
@@ -159,6 +160,12 @@ class _FitData:
     first_moments: dict[str, LayerMoments] | None = None
 
 
+def to_model_device(model: nn.Module, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` moved to where ``model`` runs (rows are built on the CPU, then moved once)."""
+    dev = model_device(model)
+    return [t.to(dev) for t in tensors]
+
+
 def _fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence[Model], layers: Sequence[tuple[str, nn.Module]],
               options: RefineOptions, num_examples: Sequence[int] | None, reference: bool = False) -> _FitData:
     """Everything fitted candidates need from ``rows``: layer targets and the fine-tuning teacher.
@@ -171,6 +178,7 @@ def _fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence[Model], l
         return _reference_fit_data(rows, model, aligned, layers, options, num_examples)
     tune = options.finetune_epochs > 0
     batches, labels, n_base = fit_batches(rows, options.augment_copies if tune else 0, options.seed)
+    batches, labels = to_model_device(model, batches), to_model_device(model, labels)
     outs = client_outputs(model, aligned, batches, labels, layers, options.target_weights, num_examples, n_base, tune)
     return _FitData(batches[:n_base], outs.targets, batches, torch.cat(labels), outs.teacher, first_moments={})
 
@@ -179,7 +187,7 @@ def _reference_fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence
                         layers: Sequence[tuple[str, nn.Module]], options: RefineOptions,
                         num_examples: Sequence[int] | None) -> _FitData:
     """:func:`_fit_data` by separate passes: label weights, then targets, on the examples and again on all rows."""
-    batches, labels = collect_fit(rows, 0, options.seed)
+    batches, labels = (to_model_device(model, t) for t in collect_fit(rows, 0, options.seed))
     row_weights = example_weights(model, aligned, batches, labels, options.target_weights, num_examples)
     targets = client_targets(model, aligned, row_weights, layers, batches)
     ft_batches, ft_labels = batches, labels
@@ -187,7 +195,7 @@ def _reference_fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence
     if options.finetune_epochs > 0:
         # Fine-tuning rows: the fitting rows plus their augmented copies; teacher = the
         # label-weighted (or plain) mean of the aligned clients' logits on the same rows.
-        ft_batches, ft_labels = collect_fit(rows, options.augment_copies, options.seed)
+        ft_batches, ft_labels = (to_model_device(model, t) for t in collect_fit(rows, options.augment_copies, options.seed))
         ft_weights = example_weights(model, aligned, ft_batches, ft_labels, options.target_weights, num_examples)
         teacher = [t[layers[-1][0]] for t in client_targets(model, aligned, ft_weights, layers[-1:], ft_batches)]
     return _FitData(batches, targets, ft_batches, torch.cat(ft_labels), teacher)
@@ -217,7 +225,9 @@ def refine_merged_model(
     clients : sequence of dict
         The clients' uploaded models (dequantized), in the merge's client order.
     model : nn.Module
-        A module of the architecture (its weights are overwritten; used as scratch).
+        A module of the architecture (its weights are overwritten; used as scratch). The
+        refinement runs on its device (a CUDA module: every forward pass, the least-squares
+        products and the fine-tuning on the GPU); the rows are built on the CPU, then moved.
     fit_loader, select_loader : iterable of (x, y) batches
         Disjoint folds of the server's data: the first fits every candidate's parameters,
         the second only scores the candidates (and, with ``options.refit``, joins the
@@ -285,10 +295,11 @@ def refine_merged_model(
     fit_rows = list(fit_loader)
     if not fit_rows:
         raise ValueError("the refinement's fitting loader yields no examples")
-    layers = layer_modules(model, split_batch(fit_rows[0])[0].float())
+    layers = layer_modules(model, split_batch(fit_rows[0])[0].to(model_device(model)).float())
     data = _fit_data(fit_rows, model, aligned, layers, options, num_examples, reference)
     select_rows = list(select_loader)
-    select_batches = [(x.float(), y) for x, y in map(split_batch, select_rows)]
+    dev = model_device(model)
+    select_batches = [(x.to(dev).float(), y.to(dev)) for x, y in map(split_batch, select_rows)]
     report = RefineReport(chosen="merged", fit_examples=sum(len(b) for b in data.batches),
                           select_examples=sum(len(y) for _, y in select_batches))
     # REPAIR's client statistics need their own forward passes: a second copy of the module,

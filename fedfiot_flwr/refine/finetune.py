@@ -110,7 +110,7 @@ def distill_finetune(
     times cross-entropy on ``labels`` (the first ``len(labels)`` rows; augmented copies keep
     their example's label). SGD with momentum 0.9, batches of ``options.finetune_batch`` rows,
     gradient norm clipped at 5, rows reshuffled every epoch (seeded). Stops early (yielding
-    nothing more) if the loss stops being finite. Image batches train channels-last
+    nothing more) after an epoch in which the loss stopped being finite. Image batches train channels-last
     (:func:`~fedfiot_flwr.refine.ops.channels_last`: the same steps up to rounding);
     ``reference`` keeps the default memory layout. An ``anchor`` adds its penalty
     (:class:`FisherAnchor`) to every step's loss.
@@ -120,10 +120,8 @@ def distill_finetune(
     n_lab = labels.shape[0]
     if x.shape[0] < n_lab or t.shape[0] != x.shape[0]:
         raise ValueError(f"fine-tuning: {x.shape[0]} rows, {t.shape[0]} teacher rows, {n_lab} labels")
-    has_label = torch.zeros(x.shape[0], dtype=torch.bool)
-    has_label[:n_lab] = True
     y = torch.zeros(x.shape[0], dtype=torch.long)
-    y[:n_lab] = labels
+    y[:n_lab] = labels.cpu()
     opt = torch.optim.SGD(model.parameters(), lr=options.finetune_lr, momentum=0.9)
     batch = options.finetune_batch
     steps_per_epoch = math.ceil(x.shape[0] / batch)
@@ -138,22 +136,28 @@ def distill_finetune(
     with contextlib.nullcontext(lambda v: v) if reference else channels_last(model, x) as layout:
         for epoch in range(1, last + 1):
             model.train()
+            finite = torch.ones((), dtype=torch.bool, device=x.device)
+            # The order and each batch's labelled rows are found on the CPU (the same steps on
+            # every device) and moved; nothing in a step waits for the device.
             for idx in torch.split(torch.randperm(x.shape[0], generator=gen), batch):
-                out = model(layout(x[idx]))
-                kd = F.kl_div(F.log_softmax(out / temp, dim=1), soft[idx], reduction="batchmean") * temp * temp
-                lab = has_label[idx]
-                ce = F.cross_entropy(out[lab], y[idx][lab]) if bool(lab.any()) else out.sum() * 0.0
+                labelled = torch.nonzero(idx < n_lab).flatten()
+                rows, lab = idx.to(x.device, non_blocking=True), labelled.to(x.device, non_blocking=True)
+                out = model(layout(x[rows]))
+                kd = F.kl_div(F.log_softmax(out / temp, dim=1), soft[rows], reduction="batchmean") * temp * temp
+                ce = (F.cross_entropy(out.index_select(0, lab), y[idx[labelled]].to(x.device, non_blocking=True))
+                      if labelled.numel() else out.sum() * 0.0)
                 loss = beta * kd + (1 - beta) * ce
                 if anchor is not None:
                     loss = loss + anchor.penalty(model)
-                if not bool(torch.isfinite(loss)):
-                    return
+                finite &= torch.isfinite(loss)
                 opt.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
                 opt.step()
                 if schedule is not None:
                     schedule.step()
+            if not bool(finite):  # a non-finite loss this epoch: no more checkpoints
+                return
             model.eval()
             every = options.checkpoint_every
             if epoch == last or (every > 0 and epoch % every == 0):

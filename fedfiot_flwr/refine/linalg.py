@@ -83,10 +83,21 @@ class LayerMoments:
             raise ValueError(f"targets must be ({x.shape[0]}, {self.d_out}), got {y.shape}")
         if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
             raise ValueError("non-finite inputs or targets in the refinement data")
-        self.xtx += x.T @ x
-        self.ytx += y.T @ x
-        self.yty += float(np.sum(y * y))
-        self.rows += x.shape[0]
+        self.add_products(x.T @ x, y.T @ x, float(np.sum(y * y)), x.shape[0])
+
+    def add_products(self, xtx: np.ndarray, ytx: np.ndarray, yty: float, rows: int) -> None:
+        """Accumulate sums already taken over ``rows`` rows: ``X^T X``, ``Y^T X`` and ``||Y||^2``.
+
+        For callers that form the products where the rows live (a GPU, say) and hand over only
+        the small matrices.
+        """
+        if np.shape(xtx) != self.xtx.shape or np.shape(ytx) != self.ytx.shape:
+            raise ValueError(f"products must be {self.xtx.shape} and {self.ytx.shape}, "
+                             f"got {np.shape(xtx)} and {np.shape(ytx)}")
+        self.xtx += xtx
+        self.ytx += ytx
+        self.yty += float(yty)
+        self.rows += int(rows)
 
 
 def ridge_refit(moments: LayerMoments, w0: np.ndarray, ridge: float) -> np.ndarray:

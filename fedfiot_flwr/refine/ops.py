@@ -35,9 +35,12 @@ __all__ = [
     "example_weights",
     "fit_batches",
     "layer_modules",
+    "add_rows",
+    "host_double",
     "layer_moments",
     "least_squares_refine",
     "load_state",
+    "model_device",
     "model_state",
     "recalibrate_batchnorm",
     "repair",
@@ -61,6 +64,16 @@ def load_state(model: nn.Module, state: Mapping[str, np.ndarray]) -> nn.Module:
 def model_state(model: nn.Module) -> Model:
     """A copy of ``model``'s state dict as numpy arrays."""
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters live (the CPU for a model without parameters)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def host_double(x: torch.Tensor) -> np.ndarray:
+    """``x`` as a float64 numpy array on the host (from any device)."""
+    return x.detach().to(device="cpu", dtype=torch.float64).numpy()
 
 
 @contextlib.contextmanager
@@ -115,7 +128,7 @@ def input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     else:
         r = x.reshape(-1, x.shape[-1])
     if module.bias is not None:
-        r = torch.cat([r, torch.ones(r.shape[0], 1, dtype=r.dtype)], dim=1)
+        r = torch.cat([r, torch.ones(r.shape[0], 1, dtype=r.dtype, device=r.device)], dim=1)
     return r
 
 
@@ -127,9 +140,9 @@ def output_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
 
 
 def flat_weight(module: nn.Module) -> np.ndarray:
-    w = module.weight.detach().double().reshape(module.weight.shape[0], -1).numpy()
+    w = host_double(module.weight.reshape(module.weight.shape[0], -1))
     if module.bias is not None:
-        w = np.concatenate([w, module.bias.detach().double().numpy()[:, None]], axis=1)
+        w = np.concatenate([w, host_double(module.bias)[:, None]], axis=1)
     return w
 
 
@@ -259,11 +272,11 @@ def example_weights(
     """
     k = len(clients)
     if mode == "uniform":
-        return [[torch.full((len(x),), 1.0 / k) for x in batches] for _ in clients]
+        return [[torch.full((len(x),), 1.0 / k, device=x.device) for x in batches] for _ in clients]
     if mode == "size":
         assert sizes is not None
         tot = float(sum(sizes))
-        return [[torch.full((len(x),), float(n) / tot) for x in batches] for n in sizes]
+        return [[torch.full((len(x),), float(n) / tot, device=x.device) for x in batches] for n in sizes]
     probs: list[list[torch.Tensor]] = []
     with torch.no_grad():
         for client in clients:
@@ -346,7 +359,7 @@ def client_outputs(
                         break
                     logits = model(layout(x))
                     w = (torch.softmax(logits, 1).gather(1, y[:, None]).squeeze(1) + 1e-3 if mode == "label"
-                         else torch.full((len(y),), shares[j]))
+                         else torch.full((len(y),), shares[j], device=logits.device))
                     total[i] = w if total[i] is None else total[i] + w
                     names = [n for n, _ in layers] if i < target_batches else [last]
                     for name in names:
@@ -378,7 +391,7 @@ def client_neuron_stats(
                 for x in batches:
                     model(x)
                     for name, mod in layers:
-                        stats[name].add(output_rows(mod, cap.outputs[name]).double().numpy())
+                        stats[name].add(host_double(output_rows(mod, cap.outputs[name])))
                 for name, s in stats.items():
                     m, sd = out.get(name, (0.0, 0.0))
                     out[name] = (m + wk * s.mean, sd + wk * s.std)
@@ -409,16 +422,29 @@ def repair(
             with torch.no_grad():
                 for x in batches:
                     model(x)
-                    stats.add(output_rows(mod, cap.outputs[name]).double().numpy())
+                    stats.add(host_double(output_rows(mod, cap.outputs[name])))
         finally:
             cap.close()
-        w, b = repair_rescale(mod.weight.detach().double().numpy(),
-                              None if mod.bias is None else mod.bias.detach().double().numpy(),
+        w, b = repair_rescale(host_double(mod.weight), None if mod.bias is None else host_double(mod.bias),
                               stats, *targets[name])
         with torch.no_grad():
             mod.weight.copy_(torch.as_tensor(w))
             if b is not None:
                 mod.bias.copy_(torch.as_tensor(b))
+
+
+def add_rows(moments: LayerMoments, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Accumulate least-squares rows into ``moments``, the products taken in float64 on the rows' device.
+
+    Only the ``(d_in, d_in)`` and ``(d_out, d_in)`` products cross to the host, not the rows.
+    """
+    x, y = x.double(), y.double()
+    if x.ndim != 2 or y.ndim != 2 or x.shape[1] != moments.d_in or y.shape != (x.shape[0], moments.d_out):
+        raise ValueError(f"rows must be (n, {moments.d_in}) inputs and (n, {moments.d_out}) targets, "
+                         f"got {tuple(x.shape)} and {tuple(y.shape)}")
+    if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+        raise ValueError("non-finite inputs or targets in the refinement data")
+    moments.add_products(host_double(x.T @ x), host_double(y.T @ x), float((y * y).sum()), int(x.shape[0]))
 
 
 def layer_moments(
@@ -439,8 +465,7 @@ def layer_moments(
         with layout_of as layout, torch.no_grad():
             for x, tgt in zip(batches, targets):
                 Capture.run(model, layout(x))
-                moments.add(input_rows(mod, cap.inputs[name]).double().numpy(),
-                            output_rows(mod, tgt[name]).double().numpy())
+                add_rows(moments, input_rows(mod, cap.inputs[name]), output_rows(mod, tgt[name]))
     finally:
         cap.close()
     return moments

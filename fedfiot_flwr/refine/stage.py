@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from fedfiot_flwr.batches import resolve_device
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.refine.candidates import RefineReport, refine_merged_model
 from fedfiot_flwr.refine.options import RefineOptions
@@ -124,7 +125,8 @@ class RefinementStage:
     fold_seed : int
         Seed of :func:`split_folds`.
     device : torch.device or str, optional
-        Where the selection fold's ``validate_fn`` evaluates (default: CUDA when available).
+        Where the refinement runs and the selection fold's ``validate_fn`` evaluates (default:
+        CUDA when available, else the CPU).
 
     Attributes
     ----------
@@ -157,7 +159,7 @@ class RefinementStage:
         self.fit_indices, self.select_indices = np.asarray(fit.indices), np.asarray(select.indices)
         self.fit_loader = DataLoader(fit, batch_size=batch_size)
         self.select_loader = DataLoader(select, batch_size=batch_size)
-        self._scratch = copy.deepcopy(model).cpu()
+        self._scratch = copy.deepcopy(model).to(resolve_device(device))
         self._validate_fn = make_validate_fn(copy.deepcopy(model), self.select_loader, device)
 
     @property
