@@ -469,9 +469,9 @@ def markdown(p: dict[str, Any]) -> str:
         lines += ["Not run: " + "; ".join(p["skipped"]) + ".", ""]
     kept = p.get("kept_from_earlier_run")
     if kept:
-        lines += [f"Sections {', '.join(kept['sections'])} are from an earlier run of the same script on the same "
-                  f"machine ({kept['environment']['gpu']}, torch {kept['environment']['torch']}): "
-                  f"`{kept['command']}`.", ""]
+        lines += [f"Taken from an earlier run of this script on the same machine ({kept['environment']['gpu']}, torch "
+                  f"{kept['environment']['torch']}), with the same code on their path: {', '.join(kept['sections'])} "
+                  f"(`{kept['command']}`).", ""]
     lines += [f"Command: `{p['command']}`", ""]
     return "\n".join(lines)
 
