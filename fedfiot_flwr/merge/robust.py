@@ -54,7 +54,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedfiot_flwr.options import FISHER_CAP_RULES
+from fedfiot_flwr.options import DEFAULT_LAM, DEFAULT_RHO, FISHER_CAP_RULES
 from fedfiot_flwr.options import ModelView as Model
 
 from ..reply_limits import MAX_FISHER_MAGNITUDE
@@ -347,7 +347,7 @@ def _scaled(f: np.ndarray, scale: float) -> np.ndarray:
     return out.astype(arr.dtype) if np.issubdtype(arr.dtype, np.floating) else out
 
 
-def weight_shares(fishers: Sequence[Model], rho: float = 0.5, lam: float = 1e-4) -> np.ndarray:
+def weight_shares(fishers: Sequence[Model], rho: float = DEFAULT_RHO, lam: float = DEFAULT_LAM) -> np.ndarray:
     """Each client's mean share of the per-coordinate merge weight ``(F**rho + lam) / sum_j (F_j**rho + lam)``.
 
     The share a client holds in the Fisher-weighted average of one coordinate (before alignment),

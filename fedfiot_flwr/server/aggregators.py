@@ -28,7 +28,7 @@ from fedfiot_flwr.reply_limits import fisher_bound_for
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.selection import Candidate, MergeOutcome, merge_round
 from fedfiot_flwr.server.uploads import CollectedUploads
-from fedfiot_flwr.options import FEDFISHER_VARIANTS, SERVER_FISHER_KINDS
+from fedfiot_flwr.options import FEDFISHER_VARIANTS, SERVER_FISHER_KINDS, alignment_kept
 from fedfiot_flwr.options import Model
 
 __all__ = [
@@ -243,7 +243,7 @@ class FedFiOTAggregator:
             "objective-aligned": float(res.aligned_objective),
             "objective-identity": float(res.identity_objective),
             "kept-aligned": outcome.variant == "aligned",
-            "alignment-lowered-objective": bool(res.aligned_objective < res.identity_objective),
+            "paper-rule-aligned": alignment_kept(res.aligned_objective, res.identity_objective),
             "alignment-moved-fraction": moved,
             "inner-iterations": iters,
             "rho": float(cand.rho),

@@ -24,7 +24,15 @@ from fedfiot_flwr.choose import BestSoFar, beats, higher_is_better
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, MergeSpeed, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP_RULE, cap_fishers_reporting
 from fedfiot_flwr.server.warm_starts import WarmStarts
-from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_REFERENCES, DEFAULT_GRID_RHOS, REFERENCES, SELECTIONS
+from fedfiot_flwr.options import (
+    DEFAULT_GRID_LAMS,
+    DEFAULT_GRID_REFERENCES,
+    DEFAULT_GRID_RHOS,
+    DEFAULT_MAX_ITERS,
+    REFERENCES,
+    SELECTIONS,
+    alignment_kept,
+)
 from fedfiot_flwr.options import Model
 
 if TYPE_CHECKING:  # the uploads container; kept out of the import graph so this stays Flower-free
@@ -256,7 +264,7 @@ def merge_round(
     spec: PermutationSpec,
     default: Candidate,
     *,
-    max_iters: int = 8,
+    max_iters: int = DEFAULT_MAX_ITERS,
     matching: str = "fisher",
     aggregation: str = "fisher",
     fallback: str = "objective",
@@ -290,8 +298,8 @@ def merge_round(
     max_iters, matching, aggregation, buffers
         Passed to :func:`fedfiot_flwr.merge.merge`.
     fallback : {"objective", "validation", "none"}
-        ``"objective"``: the paper's rule (identity merge when alignment does not lower the
-        objective). ``"validation"``: keep whichever of the aligned and identity merges scores
+        ``"objective"``: the paper's rule (identity merge when alignment raises the
+        objective; a tie keeps the aligned merge). ``"validation"``: keep whichever of the aligned and identity merges scores
         better on validation (needs ``validate``; otherwise the paper's rule). ``"none"``: always
         the aligned merge.
     broadcast : dict, optional
@@ -412,7 +420,7 @@ def merge_round(
                     "variant": variant,
                     "objective": float(res.aligned_objective if variant == "aligned" else res.identity_objective),
                     "identity_objective": float(res.identity_objective),
-                    "paper_rule_aligned": bool(res.aligned_objective < res.identity_objective),
+                    "paper_rule_aligned": alignment_kept(res.aligned_objective, res.identity_objective),
                     "merge_seconds": float(res.seconds),
                     "validation": val,
                     **({"validation_cut": True} if validated is not None and val is None else {}),
