@@ -22,7 +22,7 @@ import numpy as np
 from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.choose import BestSoFar, beats, higher_is_better
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, MergeSpeed, PermutationSpec, merge, prepare_clients
-from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP_RULE, cap_fishers_reporting
+from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP_RULE, cap_fishers_explained, describe_outliers
 from fedfiot_flwr.server.warm_starts import WarmStarts
 from fedfiot_flwr.options import (
     DEFAULT_GRID_LAMS,
@@ -249,13 +249,10 @@ class _CachedValidation:
 
 def _capped(uploads: CollectedUploads, factor: float, rule: str) -> list[dict[str, np.ndarray]]:
     """The uploads' Fishers after the robust cap; with the outlier rule every outlier client is logged."""
-    capped, changed = cap_fishers_reporting(uploads.fishers, factor, rule=rule)
-    if rule == "outliers":
-        for client, names in zip(uploads.client_ids, changed):
-            if names:
-                logger.warning("FedFiOT: client %s's Fisher is more than %g times above (or flatter than) the other "
-                               "clients' median in %s; it is brought to the median client's", client, factor,
-                               ", ".join(sorted(names)))
+    capped, outliers = cap_fishers_explained(uploads.fishers, factor, rule=rule)
+    message = describe_outliers(uploads.client_ids, outliers, factor) if rule == "outliers" else None
+    if message:
+        logger.warning("%s", message)
     return capped
 
 
