@@ -163,3 +163,20 @@ def test_an_exact_objective_tie_keeps_the_aligned_merge_and_every_flag_says_so(w
     decoded = collect_uploads([("1", twin), ("2", twin)], None)
     assert fedfiot_merge(decoded.weights, decoded.fishers, SPEC, rho=1.0, lam=1.0, reference=0).aligned
     assert merge(decoded.weights, decoded.fishers, SPEC, rho=1.0, lam=1.0, reference=0).aligned
+
+
+def test_the_sweeps_log_lines_count_the_same_knob_settings_and_merges(caplog: pytest.LogCaptureFixture) -> None:
+    import re
+
+    with caplog.at_level("INFO"):
+        strategy, _ = _strategy_round(FedFiOTConfig.default(fisher_cap=None), closest_to(IDENTITY))
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    # the start-up line: the grid, and what round 1 (no broadcast model to align to yet) tries of it
+    assert "up to 72 knob settings (36 in round 1, without the broadcast reference)" in strategy.aggregator.describe(True)
+    trying = re.search(r"trying (\d+) knob settings on the validation data, each as the aligned and the identity merge",
+                       text)
+    chosen = re.search(r"out of (\d+) knob settings \((\d+) merges, (\d+) distinct models validated", text)
+    assert trying and chosen, text
+    trials = strategy.reports[0]["trials"]
+    assert int(trying[1]) == int(chosen[1]) == 36 and int(chosen[2]) == len(trials)
+    assert int(chosen[3]) <= len(trials)  # FedAvg's validation is not counted among the merges'

@@ -197,8 +197,10 @@ class FedFiOTConfig:
             return f"FedFiOT merge ({self.name}) with {knobs} and {rule}"
         g = cfg.sweep
         size = len(g.rhos) * len(g.lams) * len(g.references) * len(g.fisher_scalings)
-        return (f"FedFiOT merge ({self.name}): up to {size} knob settings (rho, lam, reference, Fisher scaling) "
-                f"and {rule}")
+        first = len(g.candidates(None, 1, cfg.broadcast_in_round_one))
+        round_one = f" ({first} in round 1, without the broadcast reference)" if first != size else ""
+        return (f"FedFiOT merge ({self.name}): up to {size} knob settings{round_one} (rho, lam, reference, Fisher "
+                f"scaling) and {rule}")
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view."""

@@ -378,8 +378,10 @@ def merge_round(
     maximize = higher_is_better(metric)
     best: BestSoFar[tuple[Candidate, str, MergeResult, Model, dict[str, float] | None]] = BestSoFar(maximize=maximize)
     trials: list[dict[str, Any]] = []
+    both = fallback == "validation" and matching != "none"
     if len(candidates) > 1:
-        logger.info("FedFiOT round %s: trying %d knob settings on the validation data", server_round, len(candidates))
+        logger.info("FedFiOT round %s: trying %d knob settings on the validation data%s", server_round, len(candidates),
+                    ", each as the aligned and the identity merge" if both else "")
     for cand in candidates:
         reference: str | int | Model = cand.reference
         if cand.reference == "broadcast":
@@ -427,14 +429,15 @@ def merge_round(
     cand, variant, res, model, val = best.item
 
     own = (model, variant, val)
+    merges_validated = validated.calls if validated is not None else 0
     baseline_model = baseline_val = None
     if baseline or (fedavg_candidate and validate is not None):
         baseline_model = size_weighted_average(uploads.weights, uploads.num_examples)
         baseline_val = validated(baseline_model) if validated is not None else None
     if len(trials) > 1:
-        logger.info("FedFiOT round %s: selected %s (%s) out of %d trials (%d distinct models validated, %d of them "
-                    "cut once they could not be chosen)", server_round, cand.label(), variant, len(trials),
-                    validated.calls if validated is not None else 0, len(validated.cut) if validated is not None else 0)
+        logger.info("FedFiOT round %s: selected %s (%s) out of %d knob settings (%d merges, %d distinct models "
+                    "validated, %d of them cut once they could not be chosen)", server_round, cand.label(), variant,
+                    len(candidates), len(trials), merges_validated, len(validated.cut) if validated is not None else 0)
     if fedavg_candidate and validate is not None and beats(_score(baseline_val, metric), best.score, maximize=maximize):
         logger.info("FedFiOT round %s: FedAvg of the same uploads scored best on validation and is returned; "
                     "FedFiOT's own merge (%s) is reported next to it", server_round, variant)
