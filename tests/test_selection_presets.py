@@ -144,7 +144,9 @@ def test_an_unknown_configuration_name_is_refused() -> None:
 
 
 @pytest.mark.parametrize("with_validation", [False, True], ids=["no-validation", "validation"])
-def test_an_exact_objective_tie_keeps_the_aligned_merge_and_every_flag_says_so(with_validation: bool) -> None:
+def test_an_exact_objective_tie_keeps_the_aligned_merge_and_every_flag_says_so(
+    with_validation: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
     from fedfiot_flwr.algorithm import fedfiot_merge
 
     # Two identical clients: the alignment finds nothing to move, so both objectives are equal.
@@ -152,9 +154,14 @@ def test_an_exact_objective_tie_keeps_the_aligned_merge_and_every_flag_says_so(w
     config = FedFiOTConfig.paper(rho=1.0, lam=1.0, sweep=None if not with_validation else FedFiOTConfig.paper().sweep)
     strategy = FedFiOT(spec=SPEC, validate_fn=closest_to(IDENTITY) if with_validation else None, config=config,
                        fedavg_baseline=False)
-    strategy.aggregate_train(1, [reply(1, twin), reply(2, twin)])
+    with caplog.at_level("INFO"):
+        strategy.aggregate_train(1, [reply(1, twin), reply(2, twin)])
     server = strategy.server_metrics[1]
     assert server["objective-aligned"] == server["objective-identity"]  # an exact tie
+    # what the round's line says when nothing moved
+    kept = [r.getMessage() for r in caplog.records if "kept the" in r.getMessage()]
+    assert len(kept) == 1 and "kept the aligned merge (the alignment found nothing to move" in kept[0]
+    assert "0%" not in kept[0]
     assert server["kept-aligned"] == server["paper-rule-aligned"] == 1
     trials = strategy.reports[0]["trials"]
     assert trials and all(t["variant"] == "aligned" and t["paper_rule_aligned"] for t in trials)

@@ -285,12 +285,16 @@ class FedFiOTAggregator:
 def describe_fedfiot_choice(chosen: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
     """One log line about what the merge kept, e.g. ``kept the aligned merge (alignment moved 12% of neurons)``."""
     moved = 100 * float(np.mean(metrics.get("alignment-moved-fraction") or [0.0]))
+    share = "less than 1%" if 0 < moved < 0.5 else f"{moved:.0f}%"
     variant = chosen.get("variant")
     if variant == "aligned":
-        return f"kept the aligned merge (alignment moved {moved:.0f}% of neurons)"
+        if moved == 0:
+            return "kept the aligned merge (the alignment found nothing to move: every neuron stays in place)"
+        return f"kept the aligned merge (alignment moved {share} of neurons)"
     if variant == "identity":
-        return (f"kept the identity merge, no alignment (the discarded alignment would have moved {moved:.0f}% "
-                "of neurons)")
+        if moved == 0:
+            return "kept the identity merge (the alignment found nothing to move)"
+        return f"kept the identity merge, no alignment (the discarded alignment would have moved {share} of neurons)"
     return "kept FedAvg of the same uploads (it validated best; FedFiOT's own merge is reported next to it)"
 
 
