@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from fedfiot_flwr.merge import PermutationSpec, spec_from_module
@@ -20,7 +21,25 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-__all__ = ["FedFiOT", "FedFisherStrategy", "RegMeanStrategy", "fedfiot_aggregator"]
+__all__ = ["FedFiOT", "FedFisherStrategy", "RegMeanStrategy", "fedfiot_aggregator", "refuse_config_fields"]
+
+
+def refuse_config_fields(label: str, options: Mapping[str, Any]) -> None:
+    """Refuse :class:`FedFiOTConfig` fields given to a strategy as keyword arguments, showing the call.
+
+    Raises
+    ------
+    TypeError
+        ``FedFiOT: rho is a FedFiOTConfig field, not a strategy option; pass it as
+        FedFiOT(model, config=FedFiOTConfig.default(rho=0.3))``.
+    """
+    knobs = {f.name for f in fields(FedFiOTConfig)}
+    misplaced = {k: v for k, v in options.items() if k in knobs}
+    if misplaced:
+        what = "is a FedFiOTConfig field" if len(misplaced) == 1 else "are FedFiOTConfig fields"
+        call = ", ".join(f"{k}={v!r}" for k, v in misplaced.items())
+        raise TypeError(f"{label}: {', '.join(misplaced)} {what}, not a strategy option; pass it as "
+                        f"{label}(model, config=FedFiOTConfig.default({call}))")
 
 
 def fedfiot_aggregator(
@@ -114,6 +133,7 @@ class FedFiOT(MergeStrategy):
         fedavg_baseline: bool = True,
         **fedavg_options: Any,
     ) -> None:
+        refuse_config_fields("FedFiOT", fedavg_options)
         self.requested_config = config if config is not None else FedFiOTConfig.default()
         aggregator = fedfiot_aggregator(spec, model, config, validate_fn is not None or server_data is not None,
                                         refine is not None)
