@@ -374,3 +374,16 @@ def test_the_outlier_warning_of_a_two_client_round_names_the_other_client_not_a_
     assert "median" not in line and "with two clients, each is compared with the other alone" in line
     assert "client 2's Fisher is more than 4 times above client 1's in " in line
     assert "client 1's Fisher is more than" not in line  # the honest client is not named as an outlier
+
+
+def test_a_client_whose_training_diverged_is_excluded_as_such(caplog: pytest.LogCaptureFixture) -> None:
+    uploads = client_uploads(3, seed=2)
+    w, f, n = uploads[2]
+    diverged = (dict(w, **{"fc1.weight": w["fc1.weight"] * 1e9}), f, n)
+    strategy = FedFiOT(spec=SPEC, config=FedFiOTConfig.default(max_iters=2), fedavg_baseline=False)
+    with caplog.at_level("WARNING"):
+        strategy.aggregate_train(1, [reply(i + 1, packed(*t)) for i, t in enumerate([*uploads[:2], diverged])])
+    excluded = [r.getMessage() for r in caplog.records if "excluded client" in r.getMessage()]
+    assert len(excluded) == 1 and "excluded client 3: tensor 'fc1.weight'" in excluded[0]
+    assert "weights out of range" in excluded[0] and "exceeds the bound 1e+06" in excluded[0]
+    assert "training most likely diverged" in excluded[0] and "codes" not in excluded[0]
