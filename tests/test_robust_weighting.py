@@ -387,3 +387,16 @@ def test_a_client_whose_training_diverged_is_excluded_as_such(caplog: pytest.Log
     assert len(excluded) == 1 and "excluded client 3: tensor 'fc1.weight'" in excluded[0]
     assert "weights out of range" in excluded[0] and "exceeds the bound 1e+06" in excluded[0]
     assert "training most likely diverged" in excluded[0] and "codes" not in excluded[0]
+
+
+def test_a_client_whose_fisher_is_zero_everywhere_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    uploads = client_uploads(3, seed=4)
+    w, f, n = uploads[1]
+    zero = (w, {k: np.zeros_like(v) for k, v in f.items()}, n)
+    strategy = FedFiOT(spec=SPEC, config=FedFiOTConfig.paper(max_iters=2), fedavg_baseline=False)
+    with caplog.at_level("WARNING"):
+        strategy.aggregate_train(1, [reply(i + 1, packed(*t)) for i, t in enumerate([uploads[0], zero, uploads[2]])])
+    warned = [r.getMessage() for r in caplog.records if "zero everywhere" in r.getMessage()]
+    assert warned == ["FedFiOT round 1: client 2's Fisher is zero everywhere, so its weights enter the merge with "
+                      "the damping lam alone (as little as a client can weigh); check how it computes its Fisher"]
+    assert strategy.server_metrics[1]["num-valid"] == 3  # still merged: a zero Fisher is valid, only uninformative

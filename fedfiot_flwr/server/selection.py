@@ -256,6 +256,15 @@ def _capped(uploads: CollectedUploads, factor: float, rule: str) -> list[dict[st
     return capped
 
 
+def _warn_zero_fishers(uploads: CollectedUploads, server_round: int) -> None:
+    """Say which clients sent a Fisher that is zero everywhere (it carries no information on its weights)."""
+    for client, fisher in zip(uploads.client_ids, uploads.fishers):
+        if fisher and not any(np.any(f) for f in fisher.values()):
+            logger.warning("FedFiOT round %s: client %s's Fisher is zero everywhere, so its weights enter the merge "
+                           "with the damping lam alone (as little as a client can weigh); check how it computes its "
+                           "Fisher", server_round, client)
+
+
 def merge_round(
     uploads: CollectedUploads,
     spec: PermutationSpec,
@@ -370,6 +379,7 @@ def merge_round(
         logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
         candidates = [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
 
+    _warn_zero_fishers(uploads, server_round)
     fishers = uploads.fishers if fisher_cap is None else _capped(uploads, fisher_cap, fisher_cap_rule)
     clients = prepare_clients(uploads.weights, fishers, buffers=buffers, num_examples=uploads.num_examples,
                               client_ids=uploads.client_ids, checked=True)
