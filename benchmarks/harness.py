@@ -40,7 +40,7 @@ from fedfiot_flwr.client import ClientRound, train_round
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec, merge
 from fedfiot_flwr.models import permutation_spec
-from fedfiot_flwr.options import Model
+from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_RHOS, DEFAULT_LAM, DEFAULT_RHO, INITS, Model
 from fedfiot_flwr.server.aggregators import (
     AggregateOutcome,
     FedFiOTAggregator,
@@ -62,13 +62,10 @@ CACHE_DIR = ROOT / "cache"
 RESULTS_DIR = ROOT / "results"
 
 DEFAULT_MODELS = {"digits": "mlp", "fashion-mnist": "fednet", "cifar10": "fednet", "svhn": "fednet", "cinic10": "fednet"}
-INITS = ("shared", "independent")
-
-PAPER_RHOS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
-PAPER_LAMS = (1e-3, 1e-4, 1e-5)
 SMALL_RHOS = (0.3, 0.5, 0.7)
 SMALL_LAMS = (1e-3, 1e-5)
-GRIDS = {"paper": (PAPER_RHOS, PAPER_LAMS), "small": (SMALL_RHOS, SMALL_LAMS), "tiny": ((0.5,), (1e-3, 1e-5))}
+GRIDS = {"paper": (DEFAULT_GRID_RHOS, DEFAULT_GRID_LAMS), "small": (SMALL_RHOS, SMALL_LAMS),
+         "tiny": ((DEFAULT_RHO,), (1e-3, 1e-5))}
 UPLOADS = ("q16", "fp32")
 """The 16-bit uploads (as sent) and their float32 originals."""
 
@@ -504,8 +501,8 @@ def method_configs(names: Sequence[str], init: str, grid: str = "paper", broadca
         "fedavg": engine_config("fedavg"),
         "fisher-merge": engine_config("fisher-merge", rho=1.0,
                                       sweep=SweepGrid((1.0,), lams, ("largest",), ("none", "size"))),
-        "otfusion": engine_config("otfusion", sweep=SweepGrid((0.5,), (1e-4,), refs)),
-        "wb-fusion": engine_config("wb-fusion", sweep=SweepGrid((0.5,), (1e-4,), refs)),
+        "otfusion": engine_config("otfusion", sweep=SweepGrid((DEFAULT_RHO,), (DEFAULT_LAM,), refs)),
+        "wb-fusion": engine_config("wb-fusion", sweep=SweepGrid((DEFAULT_RHO,), (DEFAULT_LAM,), refs)),
         "ablation-b": engine_config("ablation-b", sweep=SweepGrid(rhos, lams, ("largest",))),
         "ablation-c": engine_config("ablation-c", sweep=SweepGrid(rhos, lams, refs)),
         "ablation-d": engine_config("ablation-d", sweep=SweepGrid(rhos, lams, refs)),

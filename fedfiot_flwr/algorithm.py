@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from fedfiot_flwr.options import DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, alignment_kept
 from fedfiot_flwr.options import ModelView as Model
 
 from .merge.spec import PermutationSpec
@@ -35,9 +36,9 @@ def fedfiot_merge(
     fishers: Sequence[Model],
     spec: PermutationSpec,
     *,
-    rho: float = 0.5,
-    lam: float = 1e-4,
-    max_iters: int = 8,
+    rho: float = DEFAULT_RHO,
+    lam: float = DEFAULT_LAM,
+    max_iters: int = DEFAULT_MAX_ITERS,
     reference: int | str | Model = "largest",
     num_examples: Sequence[float] | None = None,
     buffers: Collection[str] = (),
@@ -126,7 +127,7 @@ def fedfiot_merge(
     # Line 34: keep the alignment only if it does not increase the merge objective.
     aligned_model, J_aligned = _aggregate(x, f, spec, perms, num_examples, weights[0])
     identity_model, J_identity = _aggregate(x, f, spec, [{} for _ in weights], num_examples, weights[0])
-    aligned = not J_aligned > J_identity
+    aligned = alignment_kept(J_aligned, J_identity)
     permutations = {g: [pk[g] for pk in perms] for g in spec.perm_names}
     return FedFiOTResult(aligned_model if aligned else identity_model, permutations, aligned)
 

@@ -22,6 +22,12 @@ from typing import TYPE_CHECKING, Any
 from fedfiot_flwr.options import (
     AGGREGATIONS,
     CLIENT_FISHER_KINDS,
+    DEFAULT_GRID_LAMS,
+    DEFAULT_GRID_REFERENCES,
+    DEFAULT_GRID_RHOS,
+    DEFAULT_LAM,
+    DEFAULT_MAX_ITERS,
+    DEFAULT_RHO,
     FISHER_SCALINGS,
     INITS,
     MATCHINGS,
@@ -314,9 +320,9 @@ class AppConfig:
     min_valid_replies: int = 2
     node_wait_s: float = 120.0
     node_settle_s: float = 3.0
-    lam: float = 1e-4
-    rho: float = 0.5
-    max_iters: int = 8
+    lam: float = DEFAULT_LAM
+    rho: float = DEFAULT_RHO
+    max_iters: int = DEFAULT_MAX_ITERS
     reference: str = "largest"
     matching: str = "fisher"
     aggregation: str = "fisher"
@@ -325,9 +331,9 @@ class AppConfig:
     fallback: str = ""
     sweep: bool = True
     server_refine: bool = False
-    sweep_rho: str = "0.2,0.3,0.4,0.5,0.6,0.7"
-    sweep_lam: str = "1e-3,1e-4,1e-5"
-    sweep_reference: str = "largest,broadcast"
+    sweep_rho: str = ",".join(f"{v:g}" for v in DEFAULT_GRID_RHOS)
+    sweep_lam: str = ",".join(f"{v:g}" for v in DEFAULT_GRID_LAMS)
+    sweep_reference: str = ",".join(DEFAULT_GRID_REFERENCES)
     sweep_fisher_scaling: str = ""
     strategy: str = "fedfiot"
     fisher_kind: str = ""

@@ -7,6 +7,8 @@ here, so a name is spelled once and a default is set once.
 ('objective', 'validation', 'none')
 >>> DEFAULT_GRID_RHOS
 (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+>>> alignment_kept(2.0, 2.0), alignment_kept(2.5, 2.0)
+(True, False)
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ __all__ = [
     "BACKENDS",
     "CLIENT_FISHER_KINDS",
     "COST_DTYPES",
+    "DEFAULT_LAM",
+    "DEFAULT_MAX_ITERS",
+    "DEFAULT_RHO",
     "DEFAULT_GRID_LAMS",
     "DEFAULT_GRID_REFERENCES",
     "DEFAULT_GRID_RHOS",
@@ -37,6 +42,7 @@ __all__ = [
     "SELECTIONS",
     "SERVER_FISHER_KINDS",
     "STRATEGIES",
+    "alignment_kept",
 ]
 
 Model = dict[str, np.ndarray]
@@ -55,7 +61,7 @@ FISHER_CAP_RULES = ("outliers", "median")
 """Robust Fisher cap: bring only the clients far above (or far flatter than) the others to the median client,
 or scale every client above the clients' median down to it."""
 MERGE_FALLBACKS = ("objective", "none")
-"""The engine's identity rule: the paper's (keep alignment only if it lowers the objective) or none."""
+"""The engine's identity rule: the paper's (keep alignment unless it raises the objective, :func:`alignment_kept`) or none."""
 SELECTIONS = ("objective", "validation", "none")
 """The strategy's choice between the aligned and the identity merge: the paper's rule, validation data, or always aligned."""
 REFERENCES = ("largest", "broadcast")
@@ -64,6 +70,24 @@ BACKENDS = ("numpy", "torch")
 COST_DTYPES = ("float64", "float32")
 LAP_SOLVERS = ("scipy", "lapjv", "lapjv-avx", "auto")
 """Exact assignment solvers: scipy, the ``lap`` package's LAPJV, the ``lapjv`` package's AVX LAPJV, or the fastest installed."""
+
+# --- the merge's knobs ------------------------------------------------------------------------
+DEFAULT_RHO = 0.5
+"""Fisher tempering exponent in (0, 1]: the merge weights ``F**rho + lam``."""
+DEFAULT_LAM = 1e-4
+"""Fisher damping (> 0)."""
+DEFAULT_MAX_ITERS = 8
+"""Inner alignment-aggregation iterations per layer (the paper's S)."""
+
+
+def alignment_kept(aligned_objective: float, identity_objective: float) -> bool:
+    """The paper's identity rule (Algorithm 1, line 34): keep the aligned merge unless its objective is higher.
+
+    The alignment is kept when it does not increase the merge objective, so an exact tie keeps it;
+    only a strictly higher objective falls back to the identity merge.
+    """
+    return not aligned_objective > identity_objective
+
 
 # --- the paper's selection grid ----------------------------------------------------------------
 DEFAULT_GRID_RHOS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)

@@ -349,3 +349,13 @@ def test_benchmark_runs_the_baselines_on_digits(tmp_path: Path) -> None:
     twin = {r["method"]: r for r in again["records"]}
     for m in H.CURVATURE_METHODS:
         assert twin[m]["test_accuracy"] == got[m]["test_accuracy"] and twin[m]["curvature_cached"]
+
+
+def test_the_fedfisher_strategy_hands_its_knobs_to_the_aggregator_unchanged() -> None:
+    from fedfiot_flwr.server.aggregators import FedFisherOptions
+
+    strategy = FedFisherStrategy("diag", lr=0.5, damping=0.1, eval_every=7, fraction_evaluate=0.5)
+    assert strategy.aggregator.options == FedFisherOptions("diag", lr=0.5, damping=0.1, eval_every=7)
+    assert strategy.fraction_evaluate == 0.5  # a FedAvg option still reaches Flower's FedAvg
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        FedFisherStrategy("kfac", optimizer="sgd")

@@ -97,3 +97,14 @@ def test_the_engines_own_log_lines_reach_flowers_console() -> None:
     record = logging.LogRecord("fedfiot_flwr.server.selection", logging.INFO, __file__, 1, "trying 36 knob settings",
                                None, None)
     assert any(h.filter(record) and h.level <= logging.INFO for h in package.handlers)
+
+
+@pytest.mark.parametrize("strategy", [FedFiOT, FedFiOTLegacy])
+def test_a_merge_knob_given_to_the_strategy_says_it_is_a_config_field_and_shows_the_call(strategy) -> None:  # noqa: ANN001
+    with pytest.raises(TypeError) as info:
+        strategy(model=tiny_mlp(), rho=0.3)
+    name = strategy.__name__
+    assert str(info.value) == (f"{name}: rho is a FedFiOTConfig field, not a strategy option; pass it as "
+                               f"{name}(model, config=FedFiOTConfig.default(rho=0.3))")
+    with pytest.raises(TypeError, match=r"rho, lam are FedFiOTConfig fields.*default\(rho=0.3, lam=0.001\)"):
+        strategy(model=tiny_mlp(), rho=0.3, lam=1e-3)

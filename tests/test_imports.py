@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,27 @@ def test_importing_the_server_loads_neither_torch_nor_client_code() -> None:
                    "fedfiot_flwr.data", "fedfiot_flwr.models"}
     assert not loaded & client_side
     assert "fedfiot_flwr.server.shell" in loaded  # the check ran on the real server modules
+
+
+CLIENT_IMPORTS = """
+import json, sys
+import client_app
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("fedfiot_flwr"))))
+"""
+
+
+def test_importing_the_client_app_loads_no_merge_engine_and_no_server_code() -> None:
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", CLIENT_IMPORTS], capture_output=True, text=True, check=True, cwd=root)
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert "fedfiot_flwr.client" in loaded and "fedfiot_flwr.models" in loaded  # the check ran on the real client
+    merge_modules = {m for m in loaded if m.startswith("fedfiot_flwr.merge.")}
+    assert merge_modules <= {"fedfiot_flwr.merge.spec", "fedfiot_flwr.merge.trace"}, merge_modules
+    assert not {m for m in loaded if m.startswith(("fedfiot_flwr.server", "fedfiot_flwr.refine", "fedfiot_flwr.baselines"))}
+    # The engine is still one import away for whoever merges.
+    from fedfiot_flwr.merge import merge
+
+    assert callable(merge)
 
 
 @pytest.mark.parametrize(

@@ -217,3 +217,21 @@ def test_a_set_that_keeps_changing_is_taken_as_it_is_after_the_timeout_and_the_s
     joins = {n: 0.4 * n for n in range(1, 100)}  # a new node every 0.4 s
     connected = waiter.wait_for_stable_set(JoiningGrid(clock, joins), settle_s=1.0)
     assert 0 < connected < 99 and clock.now == pytest.approx(4.0, abs=0.5)
+
+
+def test_a_lost_node_is_reported_once_with_the_time_actually_waited(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    grid, clock = FakeGrid([11, 12, 13], None), FakeClock()
+    _strategies_wait_with(monkeypatch, clock=clock.monotonic, sleep=clock.sleep)
+    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_evaluate_nodes=3, min_available_nodes=3,
+                       min_valid_replies=2, node_wait_s=5.0)
+    strategy.configure_train(1, _arrays(), ConfigRecord(), grid)
+    grid.node_ids = [11, 12]  # node 13 is lost during round 1's training
+    with caplog.at_level("INFO"):
+        strategy.configure_evaluate(1, _arrays(), ConfigRecord(), grid)
+        for server_round in (2, 3):
+            _round(strategy, grid, clock, server_round)
+    waits = [r.getMessage() for r in caplog.records if "node-wait-s" in r.getMessage()]
+    assert waits == ["round 1: 2 of 3 nodes connected after waiting 5s for the missing ones (node-wait-s); "
+                     "going on with the connected ones"]

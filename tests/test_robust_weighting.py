@@ -340,3 +340,63 @@ def test_a_round_where_every_client_is_an_outlier_is_merged_without_error() -> N
         assert all(np.all(np.isfinite(f)) and np.all(f >= 0) for fk in capped for f in fk.values())
     capped = cap_fishers([flat, flat, flat], DEFAULT_FISHER_CAP, rule="outliers")  # alike: left as they are
     assert all(capped[k][n] is flat[n] for k in range(3) for n in SHAPES)
+
+
+def _outlier_warnings(uploads: list, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The warnings a user sees when the default preset merges ``uploads`` (weights, Fisher, size)."""
+    strategy = FedFiOT(spec=SPEC, config=FedFiOTConfig.default(max_iters=2), fedavg_baseline=False)
+    with caplog.at_level("WARNING", logger="fedfiot_flwr"):
+        strategy.aggregate_train(1, [reply(i + 1, packed(*t)) for i, t in enumerate(uploads)])
+    return [r.getMessage() for r in caplog.records if "Fisher cap" in r.getMessage()]
+
+
+def test_the_outlier_warning_is_one_whole_sentence_naming_tensors_factor_and_rule(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    uploads = client_uploads(K, seed=11)
+    w, f, n = uploads[4]
+    warned = _outlier_warnings([*uploads[:4], (w, {k: v * 1e4 for k, v in f.items()}, n), *uploads[5:]], caplog)
+    assert len(warned) == 1
+    line = warned[0]
+    assert "client 5's Fisher is more than 4 times above the other clients' median in " in line
+    assert "fc1.weight (1.1e+04 times)" in line and "its own shape at their median magnitude" in line  # how far, and what was done
+    assert "robustness rule, not an accusation" in line and line.endswith("(fisher_cap=None turns it off).")
+    assert "client 1" not in line and "client 2" not in line  # only the outlier is named
+
+
+def test_the_outlier_warning_of_a_two_client_round_names_the_other_client_not_a_median(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    (w0, f0, n0), (w1, f1, n1) = client_uploads(2, seed=3)
+    warned = _outlier_warnings([(w0, f0, n0), (w1, {k: v * 1e6 for k, v in f1.items()}, n1)], caplog)
+    assert len(warned) == 1
+    line = warned[0]
+    assert "median" not in line and "with two clients, each is compared with the other alone" in line
+    assert "client 2's Fisher is more than 4 times above client 1's in " in line
+    assert "client 1's Fisher is more than" not in line  # the honest client is not named as an outlier
+
+
+def test_a_client_whose_training_diverged_is_excluded_as_such(caplog: pytest.LogCaptureFixture) -> None:
+    uploads = client_uploads(3, seed=2)
+    w, f, n = uploads[2]
+    diverged = (dict(w, **{"fc1.weight": w["fc1.weight"] * 1e9}), f, n)
+    strategy = FedFiOT(spec=SPEC, config=FedFiOTConfig.default(max_iters=2), fedavg_baseline=False)
+    with caplog.at_level("WARNING"):
+        strategy.aggregate_train(1, [reply(i + 1, packed(*t)) for i, t in enumerate([*uploads[:2], diverged])])
+    excluded = [r.getMessage() for r in caplog.records if "excluded client" in r.getMessage()]
+    assert len(excluded) == 1 and "excluded client 3: tensor 'fc1.weight'" in excluded[0]
+    assert "weights out of range" in excluded[0] and "exceeds the bound 1e+06" in excluded[0]
+    assert "training most likely diverged" in excluded[0] and "codes" not in excluded[0]
+
+
+def test_a_client_whose_fisher_is_zero_everywhere_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    uploads = client_uploads(3, seed=4)
+    w, f, n = uploads[1]
+    zero = (w, {k: np.zeros_like(v) for k, v in f.items()}, n)
+    strategy = FedFiOT(spec=SPEC, config=FedFiOTConfig.paper(max_iters=2), fedavg_baseline=False)
+    with caplog.at_level("WARNING"):
+        strategy.aggregate_train(1, [reply(i + 1, packed(*t)) for i, t in enumerate([uploads[0], zero, uploads[2]])])
+    warned = [r.getMessage() for r in caplog.records if "zero everywhere" in r.getMessage()]
+    assert warned == ["FedFiOT round 1: client 2's Fisher is zero everywhere, so its weights enter the merge with "
+                      "the damping lam alone (as little as a client can weigh); check how it computes its Fisher"]
+    assert strategy.server_metrics[1]["num-valid"] == 3  # still merged: a zero Fisher is valid, only uninformative

@@ -135,9 +135,55 @@ def test_without_validation_a_preset_merges_once_with_its_own_knobs_and_the_pape
     np.testing.assert_allclose(got, want.model["w"].ravel(), rtol=1e-6)
     server = strategy.server_metrics[1]
     assert server["num-trials"] == 1 and "fedavg-won" not in server and "val-accuracy" not in server
-    assert server["kept-aligned"] == server["alignment-lowered-objective"] == int(want.result.aligned)
+    assert server["kept-aligned"] == server["paper-rule-aligned"] == int(want.result.aligned)
 
 
 def test_an_unknown_configuration_name_is_refused() -> None:
     with pytest.raises(ValueError, match="configuration"):
         FedFiOTConfig.named("best")
+
+
+@pytest.mark.parametrize("with_validation", [False, True], ids=["no-validation", "validation"])
+def test_an_exact_objective_tie_keeps_the_aligned_merge_and_every_flag_says_so(
+    with_validation: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from fedfiot_flwr.algorithm import fedfiot_merge
+
+    # Two identical clients: the alignment finds nothing to move, so both objectives are equal.
+    twin = packed({"w": UPLOADS.weights[0]["w"].astype(np.float32)}, {"w": UPLOADS.fishers[0]["w"].astype(np.float32)}, 3)
+    config = FedFiOTConfig.paper(rho=1.0, lam=1.0, sweep=None if not with_validation else FedFiOTConfig.paper().sweep)
+    strategy = FedFiOT(spec=SPEC, validate_fn=closest_to(IDENTITY) if with_validation else None, config=config,
+                       fedavg_baseline=False)
+    with caplog.at_level("INFO"):
+        strategy.aggregate_train(1, [reply(1, twin), reply(2, twin)])
+    server = strategy.server_metrics[1]
+    assert server["objective-aligned"] == server["objective-identity"]  # an exact tie
+    # what the round's line says when nothing moved
+    kept = [r.getMessage() for r in caplog.records if "kept the" in r.getMessage()]
+    assert len(kept) == 1 and "kept the aligned merge (the alignment found nothing to move" in kept[0]
+    assert "0%" not in kept[0]
+    assert server["kept-aligned"] == server["paper-rule-aligned"] == 1
+    trials = strategy.reports[0]["trials"]
+    assert trials and all(t["variant"] == "aligned" and t["paper_rule_aligned"] for t in trials)
+    assert all(t["objective"] == t["identity_objective"] for t in trials)
+    # The paper's reference and the engine read the tie the same way.
+    decoded = collect_uploads([("1", twin), ("2", twin)], None)
+    assert fedfiot_merge(decoded.weights, decoded.fishers, SPEC, rho=1.0, lam=1.0, reference=0).aligned
+    assert merge(decoded.weights, decoded.fishers, SPEC, rho=1.0, lam=1.0, reference=0).aligned
+
+
+def test_the_sweeps_log_lines_count_the_same_knob_settings_and_merges(caplog: pytest.LogCaptureFixture) -> None:
+    import re
+
+    with caplog.at_level("INFO"):
+        strategy, _ = _strategy_round(FedFiOTConfig.default(fisher_cap=None), closest_to(IDENTITY))
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    # the start-up line: the grid, and what round 1 (no broadcast model to align to yet) tries of it
+    assert "up to 72 knob settings (36 in round 1, without the broadcast reference)" in strategy.aggregator.describe(True)
+    trying = re.search(r"trying (\d+) knob settings on the validation data, each as the aligned and the identity merge",
+                       text)
+    chosen = re.search(r"out of (\d+) knob settings \((\d+) merges, (\d+) distinct models validated", text)
+    assert trying and chosen, text
+    trials = strategy.reports[0]["trials"]
+    assert int(trying[1]) == int(chosen[1]) == 36 and int(chosen[2]) == len(trials)
+    assert int(chosen[3]) <= len(trials)  # FedAvg's validation is not counted among the merges'

@@ -6,7 +6,8 @@ baseline and candidate of FedFiOT's selection, and the starting point of FedFish
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -75,6 +76,70 @@ def check_clients(
             if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
                 raise ValueError(f"client {cid}, tensor {name!r}: NaN or infinite values")
     return ids
+
+
+def check_curvature_replies(
+    ids: Sequence[str],
+    models: Sequence[Mapping[str, np.ndarray]],
+    replies: Sequence[Mapping[str, Any]],
+    method: str,
+    check_layer: Callable[[str, Any, Mapping[str, np.ndarray]], None] | None,
+) -> list[str]:
+    """The layers of the clients' curvature replies (K-FAC factors, RegMean Grams), checked once for every method.
+
+    Every client must send the same layers, with the same weight and bias names, naming tensors of
+    its model; ``check_layer(where, entry, model)`` then checks one entry's matrices (``None``:
+    the uploads were decoded and checked already, so only counts and names are).
+
+    Parameters
+    ----------
+    ids, models, replies : sequence
+        Per client: its id, its model and its ``{layer: entry}`` (entries have ``weight`` and ``bias``).
+    method : str
+        ``"fedfisher_kfac"`` or ``"regmean"``: names the method in messages.
+    check_layer : callable or None
+        ``(where, entry, model) -> None``, raising ``ValueError`` prefixed with ``where``
+        (``"client 2, layer 'fc'"``).
+
+    Raises
+    ------
+    ValueError
+        Naming the client and the layer.
+    """
+    what = {"fedfisher_kfac": ("factor", "K-FAC"), "regmean": ("Gram", "RegMean")}[method]
+    if len(replies) != len(models):
+        raise ValueError(f"{method}: {len(replies)} {what[0]} sets for {len(models)} models")
+    layers = list(replies[0])
+    if not layers and method == "fedfisher_kfac":
+        raise ValueError(f"client {ids[0]}: no K-FAC factors")
+    for cid, entries, model in zip(ids, replies, models):
+        if list(entries) != layers:
+            raise ValueError(f"client {cid}: {what[1]} layers {list(entries)} differ from client {ids[0]}'s {layers}")
+        for layer in layers:
+            entry, ref = entries[layer], replies[0][layer]
+            if (entry.weight, entry.bias) != (ref.weight, ref.bias):
+                raise ValueError(f"client {cid}, layer {layer!r}: weight/bias names differ from client {ids[0]}'s")
+            for name in (entry.weight, entry.bias):
+                if name is not None and name not in model:
+                    raise ValueError(f"client {cid}, layer {layer!r}: tensor {name!r} is not in the model")
+            if check_layer is not None:
+                check_layer(f"client {cid}, layer {layer!r}", entry, model)
+    return layers
+
+
+def check_square(where: str, matrix: Any, size: int) -> None:
+    """``matrix`` is a finite ``(size, size)`` array.
+
+    Raises
+    ------
+    ValueError
+        ``{where} has shape (4, 4), expected (5, 5)`` or ``{where} has NaN or infinite values``.
+    """
+    m = np.asarray(matrix)
+    if m.shape != (size, size):
+        raise ValueError(f"{where} has shape {m.shape}, expected {(size, size)}")
+    if not np.all(np.isfinite(m)):
+        raise ValueError(f"{where} has NaN or infinite values")
 
 
 def client_weights(num_examples: Sequence[int], scaling: str) -> np.ndarray:

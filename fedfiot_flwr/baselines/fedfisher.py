@@ -53,7 +53,13 @@ import numpy as np
 import torch
 
 from fedfiot_flwr.batches import resolve_device
-from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
+from fedfiot_flwr.baselines.averaging import (
+    check_clients,
+    check_curvature_replies,
+    check_square,
+    client_weights,
+    size_weighted_average,
+)
 from fedfiot_flwr.choose import BestSoFar
 from fedfiot_flwr.psd import KFACFactors, layer_matrix
 from fedfiot_flwr.options import Model
@@ -356,36 +362,19 @@ def _check_factors(
     checked: bool = False,
 ) -> list[str]:
     """The factored layers; with ``checked`` (decoded uploads) only counts and names are checked."""
-    if len(factors) != len(models):
-        raise ValueError(f"fedfisher_kfac: {len(factors)} factor sets for {len(models)} models")
-    layers = list(factors[0])
-    if not layers:
-        raise ValueError(f"client {ids[0]}: no K-FAC factors")
-    for cid, fac, model in zip(ids, factors, models):
-        if list(fac) != layers:
-            raise ValueError(f"client {cid}: K-FAC layers {list(fac)} differ from client {ids[0]}'s {layers}")
-        for layer in layers:
-            f = fac[layer]
-            ref = factors[0][layer]
-            if (f.weight, f.bias) != (ref.weight, ref.bias):
-                raise ValueError(f"client {cid}, layer {layer!r}: weight/bias names differ from client {ids[0]}'s")
-            for name in (f.weight, f.bias):
-                if name is not None and name not in model:
-                    raise ValueError(f"client {cid}, layer {layer!r}: tensor {name!r} is not in the model")
-            if checked:
-                continue
-            w = np.asarray(model[f.weight])
-            d_out, d_in = w.shape[0], int(np.prod(w.shape[1:])) + (f.bias is not None)
-            for what, mat, size in (("A", f.A, d_in), ("G", f.G, d_out)):
-                m = np.asarray(mat)
-                if m.shape != (size, size):
-                    raise ValueError(f"client {cid}, layer {layer!r}: factor {what} has shape {m.shape}, expected {(size, size)}")
-                if not np.all(np.isfinite(m)):
-                    raise ValueError(f"client {cid}, layer {layer!r}: factor {what} has NaN or infinite values")
-            for what, root, mat, size in (("A", f.A_root, f.A, d_in), ("G", f.G_root, f.G, d_out)):
-                if root is not None:
-                    _check_root(f"client {cid}, layer {layer!r}: root of factor {what}", root, mat, size)
-    return layers
+    return check_curvature_replies(ids, models, factors, "fedfisher_kfac", None if checked else _check_kfac_layer)
+
+
+def _check_kfac_layer(where: str, f: KFACFactors, model: Mapping[str, np.ndarray]) -> None:
+    """One layer's factors fit its weight (``A``: ``d_in (+1 with a bias)``, ``G``: ``d_out``), are finite,
+    and so are their roots."""
+    w = np.asarray(model[f.weight])
+    d_out, d_in = w.shape[0], int(np.prod(w.shape[1:])) + (f.bias is not None)
+    for what, mat, size in (("A", f.A, d_in), ("G", f.G, d_out)):
+        check_square(f"{where}: factor {what}", mat, size)
+    for what, root, mat, size in (("A", f.A_root, f.A, d_in), ("G", f.G_root, f.G, d_out)):
+        if root is not None:
+            _check_root(f"{where}: root of factor {what}", root, mat, size)
 
 
 def _check_root(where: str, root: np.ndarray, mat: np.ndarray, size: int) -> None:

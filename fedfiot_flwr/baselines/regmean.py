@@ -34,7 +34,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.linalg
 
-from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
+from fedfiot_flwr.baselines.averaging import (
+    check_clients,
+    check_curvature_replies,
+    check_square,
+    client_weights,
+    size_weighted_average,
+)
 from fedfiot_flwr.choose import BestSoFar
 from fedfiot_flwr.psd import InputGram, layer_matrix
 from fedfiot_flwr.options import Model
@@ -86,31 +92,15 @@ def _check_grams(
     checked: bool = False,
 ) -> list[str]:
     """The merged layers; with ``checked`` (decoded uploads) only counts and names are checked."""
-    if len(grams) != len(models):
-        raise ValueError(f"regmean: {len(grams)} Gram sets for {len(models)} models")
-    layers = list(grams[0])
-    for cid, gset, model in zip(ids, grams, models):
-        if list(gset) != layers:
-            raise ValueError(f"client {cid}: RegMean layers {list(gset)} differ from client {ids[0]}'s {layers}")
-        for layer in layers:
-            g, ref = gset[layer], grams[0][layer]
-            if (g.weight, g.bias) != (ref.weight, ref.bias):
-                raise ValueError(f"client {cid}, layer {layer!r}: weight/bias names differ from client {ids[0]}'s")
-            for name in (g.weight, g.bias):
-                if name is not None and name not in model:
-                    raise ValueError(f"client {cid}, layer {layer!r}: tensor {name!r} is not in the model")
-            if checked:
-                continue
-            w = np.asarray(model[g.weight])
-            if w.ndim != 2:
-                raise ValueError(f"client {cid}, layer {layer!r}: RegMean needs a 2-D Linear weight, got shape {w.shape}")
-            size = w.shape[1] + (g.bias is not None)
-            m = np.asarray(g.gram)
-            if m.shape != (size, size):
-                raise ValueError(f"client {cid}, layer {layer!r}: Gram has shape {m.shape}, expected {(size, size)}")
-            if not np.all(np.isfinite(m)):
-                raise ValueError(f"client {cid}, layer {layer!r}: Gram has NaN or infinite values")
-    return layers
+    return check_curvature_replies(ids, models, grams, "regmean", None if checked else _check_gram_layer)
+
+
+def _check_gram_layer(where: str, g: InputGram, model: Mapping[str, np.ndarray]) -> None:
+    """One layer's Gram fits its 2-D Linear weight (``d_in (+1 with a bias)``) and is finite."""
+    w = np.asarray(model[g.weight])
+    if w.ndim != 2:
+        raise ValueError(f"{where}: RegMean needs a 2-D Linear weight, got shape {w.shape}")
+    check_square(f"{where}: Gram", g.gram, w.shape[1] + (g.bias is not None))
 
 
 def regmean_merge(

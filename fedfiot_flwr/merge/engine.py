@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from fedfiot_flwr.options import DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, alignment_kept
 from fedfiot_flwr.options import ModelView as Model
 
 from .backend import get_backend
@@ -386,9 +387,9 @@ def merge(
     models: Sequence[Model] | PreparedClients,
     fishers: Sequence[Model] | None,
     spec: PermutationSpec,
-    lam: float = 1e-4,
-    rho: float = 0.5,
-    max_iters: int = 8,
+    lam: float = DEFAULT_LAM,
+    rho: float = DEFAULT_RHO,
+    max_iters: int = DEFAULT_MAX_ITERS,
     reference: int | str | Model = "largest",
     num_examples: Sequence[int] | None = None,
     matching: str = "fisher",
@@ -553,7 +554,7 @@ def merge(
             cached = _merge_all(xs, fs, spec, perms, aggregation, sizes, clients.dtypes)
             clients.aligned_merges.put(aligned_key, cached)
         aligned_model, aligned_objective = dict(cached[0]), cached[1]
-        aligned = fallback == "none" or not aligned_objective > identity_objective
+        aligned = fallback == "none" or alignment_kept(aligned_objective, identity_objective)
     total = sum(sizes_per_perm[p] for p in spec.perm_names)
     moved = [sum(int(np.sum(pk[p] != np.arange(len(pk[p])))) for p in spec.perm_names) for pk in perms]
     return MergeResult(

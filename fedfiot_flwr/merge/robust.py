@@ -51,10 +51,11 @@ which is a separate threat addressed by Byzantine-robust aggregation (e.g. Flowe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from fedfiot_flwr.options import FISHER_CAP_RULES
+from fedfiot_flwr.options import DEFAULT_LAM, DEFAULT_RHO, FISHER_CAP_RULES
 from fedfiot_flwr.options import ModelView as Model
 
 from ..reply_limits import MAX_FISHER_MAGNITUDE
@@ -64,7 +65,10 @@ __all__ = [
     "DEFAULT_FISHER_CAP_RULE",
     "cap_factors",
     "cap_fishers",
+    "FisherOutlier",
+    "cap_fishers_explained",
     "cap_fishers_reporting",
+    "describe_outliers",
     "fisher_outliers",
     "weight_shares",
 ]
@@ -104,10 +108,19 @@ _Summaries = dict[str, tuple[np.ndarray, np.ndarray]]
 """Per tensor name, every client's mean and largest entry (:func:`_summaries`)."""
 
 
-def _outlier_kinds(fishers: Sequence[Model], factor: float) -> tuple[list[dict[str, str]], _Summaries]:
-    """Per client, its outlier tensors and why (``"flat"``, a shape outlier, or ``"inflated"``),
-    and the per-tensor summaries they were judged on."""
-    kinds: list[dict[str, str]] = [{} for _ in fishers]
+class FisherOutlier(NamedTuple):
+    """Why one client's tensor is an outlier: ``kind`` ``"inflated"`` (its mean or largest entry
+    is ``ratio`` times the other clients' median), ``"flat"`` (its largest entry over its mean is
+    ``ratio`` times smaller than theirs) or, under ``rule="median"``, ``"scaled"`` (scaled down
+    ``ratio`` times)."""
+
+    kind: str
+    ratio: float
+
+
+def _outlier_kinds(fishers: Sequence[Model], factor: float) -> tuple[list[dict[str, FisherOutlier]], _Summaries]:
+    """Per client, its outlier tensors and why, and the per-tensor summaries they were judged on."""
+    kinds: list[dict[str, FisherOutlier]] = [{} for _ in fishers]
     stats: _Summaries = {name: _summaries(fishers, name) for name in (fishers[0] if fishers else ())}
     if len(fishers) < 2:
         return kinds, stats
@@ -116,9 +129,10 @@ def _outlier_kinds(fishers: Sequence[Model], factor: float) -> tuple[list[dict[s
         for k in range(len(fishers)):
             ref_mean, ref_max, ref_peak = (float(np.median(np.delete(x, k))) for x in (means, maxes, peaks))
             if means[k] > 0 and ref_peak > 0 and peaks[k] * factor < ref_peak:
-                kinds[k][name] = "flat"
+                kinds[k][name] = FisherOutlier("flat", float(ref_peak / peaks[k]))
             elif (ref_mean > 0 and means[k] > factor * ref_mean) or (ref_max > 0 and maxes[k] > factor * ref_max):
-                kinds[k][name] = "inflated"
+                ratio = max(means[k] / ref_mean if ref_mean > 0 else 0.0, maxes[k] / ref_max if ref_max > 0 else 0.0)
+                kinds[k][name] = FisherOutlier("inflated", float(ratio))
     return kinds, stats
 
 
@@ -177,16 +191,22 @@ def _rank_mapped(f: np.ndarray, values: np.ndarray, tiebreak: np.ndarray) -> np.
     return mapped.reshape(arr.shape).astype(dtype)
 
 
-def _cap_outliers(fishers: Sequence[Model], kinds: list[dict[str, str]], stats: _Summaries,
+def _kind(outliers: dict[str, FisherOutlier], name: str) -> str | None:
+    """The kind of outlier tensor ``name`` is (None: no outlier)."""
+    found = outliers.get(name)
+    return None if found is None else found.kind
+
+
+def _cap_outliers(fishers: Sequence[Model], kinds: list[dict[str, FisherOutlier]], stats: _Summaries,
                   limit: float | None) -> list[dict[str, np.ndarray]]:
     """``rule="outliers"`` given each client's outlier kinds and the summaries they were judged on."""
     out: list[dict[str, np.ndarray]] = [dict(fk) for fk in fishers]
     for name, (means, maxes) in stats.items():
         tops = maxes.copy()  # each client's largest entry once the rule has run
-        flat = [k for k in range(len(fishers)) if kinds[k].get(name) == "flat"]
+        flat = [k for k in range(len(fishers)) if _kind(kinds[k], name) == "flat"]
         # the reference distribution: the clients that are no outliers, else those that are not flat
         kept = ([j for j in range(len(fishers)) if name not in kinds[j]]
-                or [j for j in range(len(fishers)) if kinds[j].get(name) != "flat"])
+                or [j for j in range(len(fishers)) if _kind(kinds[j], name) != "flat"])
         if flat and kept:  # (every client flat: they are alike, nothing to rank them against)
             kept_arrays = [np.asarray(fishers[j][name]).ravel() for j in kept]
             values = _chunked_median([np.sort(a) for a in kept_arrays])  # the median client's distribution
@@ -196,7 +216,7 @@ def _cap_outliers(fishers: Sequence[Model], kinds: list[dict[str, str]], stats: 
                 tops[k] = values[-1]
         for k in range(len(fishers)):
             s = 1.0
-            if kinds[k].get(name) == "inflated":  # its own shape, at the other clients' median magnitude
+            if _kind(kinds[k], name) == "inflated":  # its own shape, at the other clients' median magnitude
                 ref_mean, ref_max = float(np.median(np.delete(means, k))), float(np.median(np.delete(maxes, k)))
                 s = min(ref_mean / means[k] if ref_mean > 0 else 1.0, ref_max / maxes[k] if ref_max > 0 else 1.0)
             if limit is not None and tops[k] * s > limit:
@@ -312,6 +332,8 @@ def cap_fishers_reporting(
 ) -> tuple[list[dict[str, np.ndarray]], list[set[str]]]:
     """:func:`cap_fishers` and, found on the same pass, each client's changed tensors.
 
+    :func:`cap_fishers_explained` also says why and by how much.
+
     Returns
     -------
     capped : list of dict[str, np.ndarray]
@@ -326,18 +348,73 @@ def cap_fishers_reporting(
     >>> cap_fishers_reporting([*honest, {"w": np.array([1e3, 2e3])}], 4.0)[1]
     [set(), set(), set(), {'w'}]
     """
+    capped, outliers = cap_fishers_explained(fishers, factor, limit, rule)
+    return capped, [set(found) for found in outliers]
+
+
+def cap_fishers_explained(
+    fishers: Sequence[Model],
+    factor: float,
+    limit: float | None = MAX_FISHER_MAGNITUDE,
+    rule: str = DEFAULT_FISHER_CAP_RULE,
+) -> tuple[list[dict[str, np.ndarray]], list[dict[str, FisherOutlier]]]:
+    """:func:`cap_fishers` and, found on the same pass, each client's outlier tensors with why and how far.
+
+    With ``rule="median"`` every scaled tensor is reported as ``"scaled"`` (absolute limit included).
+
+    Examples
+    --------
+    >>> honest = [{"w": np.array([1.0, 2.0])}, {"w": np.array([2.0, 1.0])}, {"w": np.array([1.5, 1.5])}]
+    >>> cap_fishers_explained([*honest, {"w": np.array([1e3, 2e3])}], 4.0)[1][3]
+    {'w': FisherOutlier(kind='inflated', ratio=1000.0)}
+    """
     if rule not in FISHER_CAP_RULES:
         raise ValueError(f"the Fisher cap rule must be one of {FISHER_CAP_RULES}, got {rule!r}")
     if rule == "outliers":
         _check_factor(factor, limit)
         kinds, stats = _outlier_kinds(fishers, factor)
-        return _cap_outliers(fishers, kinds, stats, limit), [set(k) for k in kinds]
+        return _cap_outliers(fishers, kinds, stats, limit), kinds
     scales = cap_factors(fishers, factor, limit)
     capped = [
         {name: (f if scales[k][name] == 1.0 else _scaled(f, scales[k][name])) for name, f in fk.items()}
         for k, fk in enumerate(fishers)
     ]
-    return capped, [{name for name, sc in client.items() if sc != 1.0} for client in scales]
+    return capped, [{name: FisherOutlier("scaled", 1.0 / sc) for name, sc in client.items() if sc != 1.0}
+                    for client in scales]
+
+
+def describe_outliers(client_ids: Sequence[str], outliers: Sequence[dict[str, FisherOutlier]], factor: float) -> str | None:
+    """The one warning line of a round where ``rule="outliers"`` changed some client's Fisher (None: none).
+
+    It names each client, its tensors and how far they are off, says what the rule did, and that
+    it is a robustness rule rather than a finding against the client.
+
+    Examples
+    --------
+    >>> print(describe_outliers(["a", "b", "c"], [{}, {}, {"w": FisherOutlier("inflated", 1e3)}], 4.0))
+    FedFiOT robust Fisher cap (fisher_cap=4): client c's Fisher is more than 4 times above the other clients' \
+median in w (1e+03 times), so it keeps its own shape at their median magnitude. This is a robustness rule, \
+not an accusation: a client whose data differ from the others' can trip it too (fisher_cap=None turns it off).
+    """
+    parts = []
+    for k, (cid, found) in enumerate(zip(client_ids, outliers)):
+        others = ("the other clients' median" if len(client_ids) > 2
+                  else f"client {client_ids[1 - k]}'s" if len(client_ids) == 2 else "the others'")
+        for kind, verb, does in (("inflated", "above", "so it keeps its own shape at their median magnitude"),
+                                 ("flat", "flatter than", "so it takes the median client's values in its own order")):
+            names = sorted(n for n, o in found.items() if o.kind == kind)
+            if names:
+                where = ", ".join(f"{n} ({found[n].ratio:.3g} times)" for n in names)
+                if len(client_ids) == 2:
+                    does = does.replace("their median magnitude", f"client {client_ids[1 - k]}'s magnitude").replace(
+                        "the median client's values", f"client {client_ids[1 - k]}'s values")
+                parts.append(f"client {cid}'s Fisher is more than {factor:g} times {verb} {others} in {where}, {does}")
+    if not parts:
+        return None
+    pair = " (with two clients, each is compared with the other alone)" if len(client_ids) == 2 else ""
+    return (f"FedFiOT robust Fisher cap (fisher_cap={factor:g}){pair}: " + "; ".join(parts)
+            + ". This is a robustness rule, not an accusation: a client whose data differ from the others' can trip "
+              "it too (fisher_cap=None turns it off).")
 
 
 def _scaled(f: np.ndarray, scale: float) -> np.ndarray:
@@ -347,7 +424,7 @@ def _scaled(f: np.ndarray, scale: float) -> np.ndarray:
     return out.astype(arr.dtype) if np.issubdtype(arr.dtype, np.floating) else out
 
 
-def weight_shares(fishers: Sequence[Model], rho: float = 0.5, lam: float = 1e-4) -> np.ndarray:
+def weight_shares(fishers: Sequence[Model], rho: float = DEFAULT_RHO, lam: float = DEFAULT_LAM) -> np.ndarray:
     """Each client's mean share of the per-coordinate merge weight ``(F**rho + lam) / sum_j (F_j**rho + lam)``.
 
     The share a client holds in the Fisher-weighted average of one coordinate (before alignment),

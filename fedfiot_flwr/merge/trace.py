@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import AxisEntry, PermutationSpec, expand_block_permutation
+from .spec import AxisEntry, PermutationSpec
 
 logger = logging.getLogger(__name__)
 
@@ -151,36 +151,6 @@ def _perturbed_copy(module: Any, example: Any, seed: int) -> tuple[Any, Any]:
     return model, example
 
 
-def _permute_in_place(model: Any, spec: PermutationSpec, perms: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """Permute the model's tensors in place; return the originals of the ones changed."""
-    import torch
-
-    saved: dict[str, Any] = {}
-    state = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, entries in spec.axes.items():
-            original = state[name].data
-            new = original
-            for axis, entry in enumerate(entries):
-                if entry is not None and entry.perm in perms:
-                    index = torch.as_tensor(expand_block_permutation(perms[entry.perm], entry.block),
-                                            device=original.device)
-                    new = new.index_select(axis, index)
-            if new is not original:
-                saved[name] = original.clone()
-                original.copy_(new)
-    return saved
-
-
-def _restore(model: Any, saved: Mapping[str, Any]) -> None:
-    import torch
-
-    state = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, value in saved.items():
-            state[name].data.copy_(value)
-
-
 def _same(before: Sequence[Any], after: Sequence[Any]) -> bool:
     import torch
 
@@ -206,19 +176,22 @@ def _probe_permutations(spec: PermutationSpec, sizes: Mapping[str, int], seed: i
 def _failing_permutations_reference(module: Any, spec: PermutationSpec, example: Any, seed: int = 0) -> list[str]:
     """Permutations of ``spec`` that change the perturbed module's outputs (the plain, slow check).
 
-    One full forward pass per permutation on a deep copy, each permutation copied into the
-    tensors and copied back; :func:`_failing_permutations` gives the same answer faster.
+    One full forward pass per permutation on a plain deep copy (the module's own float64
+    conversion), on the module's intra-op threads; :func:`_failing_permutations` gives the same
+    answer faster.
     """
     model, example = _perturbed_copy(module, example, seed)
     reference = _outputs(model, example)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    sizes = spec.sizes(shapes)
+    state = model.state_dict(keep_vars=True)
+    sizes = spec.sizes({k: tuple(v.shape) for k, v in state.items()})
     failing = []
     for perm, p in _probe_permutations(spec, sizes, seed):
-        saved = _permute_in_place(model, spec, {perm: p})
-        if not _same(reference, _outputs(model, example)):
-            failing.append(perm)
-        _restore(model, saved)
+        saved = _swap_in_permuted(state, spec, {perm: p})
+        try:
+            if not _same(reference, _outputs(model, example)):
+                failing.append(perm)
+        finally:
+            _swap_back(state, saved)
     return failing
 
 

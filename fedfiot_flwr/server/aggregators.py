@@ -16,7 +16,7 @@ maths lives below (:mod:`fedfiot_flwr.merge`, :mod:`fedfiot_flwr.baselines`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,7 +28,7 @@ from fedfiot_flwr.reply_limits import fisher_bound_for
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.selection import Candidate, MergeOutcome, merge_round
 from fedfiot_flwr.server.uploads import CollectedUploads
-from fedfiot_flwr.options import FEDFISHER_VARIANTS, SERVER_FISHER_KINDS
+from fedfiot_flwr.options import FEDFISHER_VARIANTS, SERVER_FISHER_KINDS, alignment_kept
 from fedfiot_flwr.options import Model
 
 __all__ = [
@@ -243,7 +243,7 @@ class FedFiOTAggregator:
             "objective-aligned": float(res.aligned_objective),
             "objective-identity": float(res.identity_objective),
             "kept-aligned": outcome.variant == "aligned",
-            "alignment-lowered-objective": bool(res.aligned_objective < res.identity_objective),
+            "paper-rule-aligned": alignment_kept(res.aligned_objective, res.identity_objective),
             "alignment-moved-fraction": moved,
             "inner-iterations": iters,
             "rho": float(cand.rho),
@@ -285,12 +285,16 @@ class FedFiOTAggregator:
 def describe_fedfiot_choice(chosen: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
     """One log line about what the merge kept, e.g. ``kept the aligned merge (alignment moved 12% of neurons)``."""
     moved = 100 * float(np.mean(metrics.get("alignment-moved-fraction") or [0.0]))
+    share = "less than 1%" if 0 < moved < 0.5 else f"{moved:.0f}%"
     variant = chosen.get("variant")
     if variant == "aligned":
-        return f"kept the aligned merge (alignment moved {moved:.0f}% of neurons)"
+        if moved == 0:
+            return "kept the aligned merge (the alignment found nothing to move: every neuron stays in place)"
+        return f"kept the aligned merge (alignment moved {share} of neurons)"
     if variant == "identity":
-        return (f"kept the identity merge, no alignment (the discarded alignment would have moved {moved:.0f}% "
-                "of neurons)")
+        if moved == 0:
+            return "kept the identity merge (the alignment found nothing to move)"
+        return f"kept the identity merge, no alignment (the discarded alignment would have moved {share} of neurons)"
     return "kept FedAvg of the same uploads (it validated best; FedFiOT's own merge is reported next to it)"
 
 
@@ -320,10 +324,11 @@ class FedAvgAggregator:
 # -------------------------------------------------------------------------------- FedFisher
 
 
-class FedFisherAggregator:
-    """FedFisher: minimise the Fisher-weighted objective from the size-weighted average.
+@dataclass(frozen=True)
+class FedFisherOptions:
+    """FedFisher's knobs, spelled once for the aggregator and the strategy (validated when built).
 
-    Parameters
+    Attributes
     ----------
     variant : {"kfac", "diag"}
         Kronecker-factored or diagonal Fishers.
@@ -343,45 +348,61 @@ class FedFisherAggregator:
         Where the optimisation runs.
     """
 
-    def __init__(
-        self,
-        variant: str = "kfac",
-        *,
-        steps: int = 2000,
-        lr: float = 0.01,
-        eval_every: int = 100,
-        optimizer: str = "fedfisher",
-        fisher_scaling: str = "size",
-        damping: float = 0.0,
-        fisher_kind: str | None = None,
-        selection_metric: str = "accuracy",
-        device: Any = None,
-    ) -> None:
+    variant: str = "kfac"
+    steps: int = 2000
+    lr: float = 0.01
+    eval_every: int = 100
+    optimizer: str = "fedfisher"
+    fisher_scaling: str = "size"
+    damping: float = 0.0
+    fisher_kind: str | None = None
+    selection_metric: str = "accuracy"
+    device: Any = None
+
+    def __post_init__(self) -> None:
         from fedfiot_flwr.baselines.fedfisher import OPTIMIZERS, _check_optim
 
-        if variant not in FEDFISHER_VARIANTS:
-            raise ValueError(f"FedFisher variant must be one of {FEDFISHER_VARIANTS}, got {variant!r}")
-        if fisher_kind is not None and fisher_kind not in SERVER_FISHER_KINDS:
-            raise ValueError(f"fisher_kind must be one of {SERVER_FISHER_KINDS} or None, got {fisher_kind!r}")
-        if fisher_scaling not in ("size", "none"):
-            raise ValueError(f"fisher_scaling must be 'size' or 'none', got {fisher_scaling!r}")
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-        _check_optim(steps, lr, eval_every, damping, optimizer)
-        self.variant = variant
-        self.steps, self.lr, self.eval_every = int(steps), float(lr), int(eval_every)
-        self.optimizer, self.fisher_scaling, self.damping = optimizer, fisher_scaling, float(damping)
-        self.fisher_kind = fisher_kind
-        self.selection_metric = selection_metric
-        self.device = device
+        if self.variant not in FEDFISHER_VARIANTS:
+            raise ValueError(f"FedFisher variant must be one of {FEDFISHER_VARIANTS}, got {self.variant!r}")
+        if self.fisher_kind is not None and self.fisher_kind not in SERVER_FISHER_KINDS:
+            raise ValueError(f"fisher_kind must be one of {SERVER_FISHER_KINDS} or None, got {self.fisher_kind!r}")
+        if self.fisher_scaling not in ("size", "none"):
+            raise ValueError(f"fisher_scaling must be 'size' or 'none', got {self.fisher_scaling!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        _check_optim(self.steps, self.lr, self.eval_every, self.damping, self.optimizer)
+        for name, kind in (("steps", int), ("lr", float), ("eval_every", int), ("damping", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+
+
+class FedFisherAggregator:
+    """FedFisher: minimise the Fisher-weighted objective from the size-weighted average.
+
+    Parameters
+    ----------
+    variant : {"kfac", "diag"}
+        Kronecker-factored or diagonal Fishers.
+    **knobs
+        The other fields of :class:`FedFisherOptions` (``steps``, ``lr``, ``eval_every``,
+        ``optimizer``, ``fisher_scaling``, ``damping``, ``fisher_kind``, ``selection_metric``,
+        ``device``), readable as attributes of the aggregator.
+    """
+
+    def __init__(self, variant: str = "kfac", **knobs: Any) -> None:
+        self.options = FedFisherOptions(variant, **knobs)
         self.label = f"FedFisher ({'K-FAC' if variant == 'kfac' else 'diag'})"
         self.reply_kind = "kfac" if variant == "kfac" else "fisher"
 
+    def __getattr__(self, name: str) -> Any:
+        """The knobs of :attr:`options` read as the aggregator's own (``aggregator.steps``)."""
+        if name != "options" and name in FedFisherOptions.__dataclass_fields__:
+            return getattr(self.options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def config(self) -> dict[str, Any]:
         """The FedFisher options."""
-        return {"method": "fedfisher", "variant": self.variant, "steps": self.steps, "lr": self.lr,
-                "eval_every": self.eval_every, "optimizer": self.optimizer, "fisher_scaling": self.fisher_scaling,
-                "damping": self.damping, "fisher_kind": self.fisher_kind, "selection_metric": self.selection_metric}
+        knobs = {k: v for k, v in asdict(self.options).items() if k != "device"}
+        return {"method": "fedfisher", **knobs}
 
     def describe(self, has_validation: bool) -> str:
         """The optimisation and how its checkpoint is chosen."""

@@ -3,8 +3,8 @@
 Two named configurations:
 
 - :meth:`FedFiOTConfig.paper`: the paper's algorithm. Fisher tempered with ``rho`` and damped with
-  ``lam``; the aligned merge is replaced by the identity merge only when alignment does not lower
-  the merge objective; with validation data, ``(rho, lam, reference)`` are chosen on it over the
+  ``lam``; the aligned merge is replaced by the identity merge only when alignment raises the
+  merge objective (a tie keeps it); with validation data, ``(rho, lam, reference)`` are chosen on it over the
   paper's grid.
 - :meth:`FedFiOTConfig.default`: this project's default. With validation data it also keeps
   whichever of the aligned merge, the identity merge and FedAvg of the same uploads validates
@@ -29,7 +29,14 @@ from typing import Any
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeSpeed
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, DEFAULT_FISHER_CAP_RULE
 from fedfiot_flwr.merge.validate import check_options
-from fedfiot_flwr.options import FISHER_CAP_RULES, REFERENCES, SELECTIONS
+from fedfiot_flwr.options import (
+    DEFAULT_LAM,
+    DEFAULT_MAX_ITERS,
+    DEFAULT_RHO,
+    FISHER_CAP_RULES,
+    REFERENCES,
+    SELECTIONS,
+)
 from fedfiot_flwr.server.selection import SweepGrid
 
 __all__ = ["FedFiOTConfig", "SELECTIONS"]
@@ -100,11 +107,11 @@ class FedFiOTConfig:
     """
 
     name: str = "custom"
-    rho: float = 0.5
-    lam: float = 1e-4
+    rho: float = DEFAULT_RHO
+    lam: float = DEFAULT_LAM
     reference: str | int = "largest"
     fisher_scaling: str = "none"
-    max_iters: int = 8
+    max_iters: int = DEFAULT_MAX_ITERS
     matching: str = "fisher"
     aggregation: str = "fisher"
     selection: str = "objective"
@@ -180,7 +187,7 @@ class FedFiOTConfig:
     def describe(self, has_validation: bool) -> str:
         """What the merge does each round, in plain words (for the strategy's start-up line)."""
         cfg = self.for_server(has_validation)
-        rule = {"objective": "the paper's rule (keep the aligned merge unless alignment does not lower the merge "
+        rule = {"objective": "the paper's rule (keep the aligned merge unless alignment raises the merge "
                              "objective)",
                 "validation": ("the aligned, the identity or FedAvg's merge" if cfg.fedavg_candidate
                                else "the aligned or the identity merge") + ", whichever validates best",
@@ -190,8 +197,10 @@ class FedFiOTConfig:
             return f"FedFiOT merge ({self.name}) with {knobs} and {rule}"
         g = cfg.sweep
         size = len(g.rhos) * len(g.lams) * len(g.references) * len(g.fisher_scalings)
-        return (f"FedFiOT merge ({self.name}): up to {size} knob settings (rho, lam, reference, Fisher scaling) "
-                f"and {rule}")
+        first = len(g.candidates(None, 1, cfg.broadcast_in_round_one))
+        round_one = f" ({first} in round 1, without the broadcast reference)" if first != size else ""
+        return (f"FedFiOT merge ({self.name}): up to {size} knob settings{round_one} (rho, lam, reference, Fisher "
+                f"scaling) and {rule}")
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view."""

@@ -35,7 +35,7 @@ from fedfiot_flwr.server.legacy_envelope import fitres_to_reply, ndarrays_to_rep
 from fedfiot_flwr.server.rounds import RoundMerger
 from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.shell import ValidateFn, buffers_of, check_sampling, metric_record
-from fedfiot_flwr.server.strategies import fedfiot_aggregator
+from fedfiot_flwr.server.strategies import fedfiot_aggregator, refuse_config_fields
 from fedfiot_flwr.server.uploads import FirstReplies
 
 if TYPE_CHECKING:
@@ -74,8 +74,9 @@ class FedFiOTLegacy(FedAvg):
         fedavg_baseline: bool = True,
         **fedavg_options: Any,
     ) -> None:
-        FedAvg.__init__(self, **fedavg_options)
         label = "FedFiOTLegacy"
+        refuse_config_fields(label, fedavg_options)
+        FedAvg.__init__(self, **fedavg_options)
         check_sampling(label, fraction_fit=self.fraction_fit, fraction_evaluate=self.fraction_evaluate,
                        min_fit_clients=self.min_fit_clients, min_evaluate_clients=self.min_evaluate_clients,
                        min_available_clients=self.min_available_clients)

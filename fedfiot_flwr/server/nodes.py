@@ -44,6 +44,8 @@ class NodeWaiter:
         The nodes connected when a wait last ran out (None: no wait has run out yet).
     clock, sleep : callable
         ``time.monotonic`` and ``time.sleep`` (replaceable in tests).
+    waited_s : float
+        How long the last :meth:`wait` waited (0: it went on at once).
     """
 
     timeout_s: float | None = None
@@ -52,6 +54,7 @@ class NodeWaiter:
     settled: frozenset[int] | None = None
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
+    waited_s: float = 0.0
 
     def wait(self, grid: Any, wanted: int, needed: int) -> int:
         """Wait up to ``timeout_s`` until ``wanted`` nodes are connected, unless the missing ones were waited for.
@@ -70,13 +73,16 @@ class NodeWaiter:
         int
             Number of nodes connected when the wait ended.
         """
+        self.waited_s = 0.0
         connected = _connected(grid)
         if len(connected) >= wanted or self.timeout_s is None:
             return len(connected)
-        deadline = self.clock() + self.timeout_s
+        start = self.clock()
+        deadline = start + self.timeout_s
         while not self._can_go_on(connected, wanted, needed) and self.clock() < deadline:
             self.sleep(self.poll_s)
             connected = _connected(grid)
+        self.waited_s = self.clock() - start
         if len(connected) < wanted:
             self.settled = frozenset(connected)
         return len(connected)
@@ -147,8 +153,9 @@ class NodeWaiter:
             return list(configure()), connected
         if connected < needed:
             return [], connected
-        logger.warning("round %s: %d of %d nodes connected (the missing ones waited for up to node-wait-s = %gs); "
-                       "going on with them", server_round, connected, wanted, self.timeout_s)
+        if self.waited_s > 0:  # said once per loss: later rounds go on at once with the same nodes
+            logger.warning("round %s: %d of %d nodes connected after waiting %gs for the missing ones (node-wait-s); "
+                           "going on with the connected ones", server_round, connected, wanted, self.waited_s)
         saved = strategy.min_available_nodes, getattr(strategy, minimum_attr)
         strategy.min_available_nodes = needed
         setattr(strategy, minimum_attr, needed)

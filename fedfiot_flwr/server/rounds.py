@@ -148,7 +148,8 @@ class RoundMerger:
         log(INFO, "%s round %s: %d valid replies, %d excluded (%.2f MB received)", label, server_round,
                     len(uploads), len(uploads.rejections), uploads.bytes_received / 2**20)
         for rej in uploads.rejections:
-            log(WARNING, "%s round %s: excluded client %s: %s", label, server_round, rej.client, rej.reason)
+            log(WARNING, "%s round %s: excluded client %s: %s", label, server_round, rej.client,
+                rej.reason.removeprefix(f"client {rej.client}: "))  # the client is named once
         rejected = [{"client": r.client, "reason": r.reason} for r in uploads.rejections]
         try:
             require_enough(uploads, self.min_valid_replies, server_round, label)

@@ -22,9 +22,17 @@ import numpy as np
 from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.choose import BestSoFar, beats, higher_is_better
 from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, MergeSpeed, PermutationSpec, merge, prepare_clients
-from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP_RULE, cap_fishers_reporting
+from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP_RULE, cap_fishers_explained, describe_outliers
 from fedfiot_flwr.server.warm_starts import WarmStarts
-from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_REFERENCES, DEFAULT_GRID_RHOS, REFERENCES, SELECTIONS
+from fedfiot_flwr.options import (
+    DEFAULT_GRID_LAMS,
+    DEFAULT_GRID_REFERENCES,
+    DEFAULT_GRID_RHOS,
+    DEFAULT_MAX_ITERS,
+    REFERENCES,
+    SELECTIONS,
+    alignment_kept,
+)
 from fedfiot_flwr.options import Model
 
 if TYPE_CHECKING:  # the uploads container; kept out of the import graph so this stays Flower-free
@@ -241,14 +249,20 @@ class _CachedValidation:
 
 def _capped(uploads: CollectedUploads, factor: float, rule: str) -> list[dict[str, np.ndarray]]:
     """The uploads' Fishers after the robust cap; with the outlier rule every outlier client is logged."""
-    capped, changed = cap_fishers_reporting(uploads.fishers, factor, rule=rule)
-    if rule == "outliers":
-        for client, names in zip(uploads.client_ids, changed):
-            if names:
-                logger.warning("FedFiOT: client %s's Fisher is more than %g times above (or flatter than) the other "
-                               "clients' median in %s; it is brought to the median client's", client, factor,
-                               ", ".join(sorted(names)))
+    capped, outliers = cap_fishers_explained(uploads.fishers, factor, rule=rule)
+    message = describe_outliers(uploads.client_ids, outliers, factor) if rule == "outliers" else None
+    if message:
+        logger.warning("%s", message)
     return capped
+
+
+def _warn_zero_fishers(uploads: CollectedUploads, server_round: int) -> None:
+    """Say which clients sent a Fisher that is zero everywhere (it carries no information on its weights)."""
+    for client, fisher in zip(uploads.client_ids, uploads.fishers):
+        if fisher and not any(np.any(f) for f in fisher.values()):
+            logger.warning("FedFiOT round %s: client %s's Fisher is zero everywhere, so its weights enter the merge "
+                           "with the damping lam alone (as little as a client can weigh); check how it computes its "
+                           "Fisher", server_round, client)
 
 
 def merge_round(
@@ -256,7 +270,7 @@ def merge_round(
     spec: PermutationSpec,
     default: Candidate,
     *,
-    max_iters: int = 8,
+    max_iters: int = DEFAULT_MAX_ITERS,
     matching: str = "fisher",
     aggregation: str = "fisher",
     fallback: str = "objective",
@@ -290,8 +304,8 @@ def merge_round(
     max_iters, matching, aggregation, buffers
         Passed to :func:`fedfiot_flwr.merge.merge`.
     fallback : {"objective", "validation", "none"}
-        ``"objective"``: the paper's rule (identity merge when alignment does not lower the
-        objective). ``"validation"``: keep whichever of the aligned and identity merges scores
+        ``"objective"``: the paper's rule (identity merge when alignment raises the
+        objective; a tie keeps the aligned merge). ``"validation"``: keep whichever of the aligned and identity merges scores
         better on validation (needs ``validate``; otherwise the paper's rule). ``"none"``: always
         the aligned merge.
     broadcast : dict, optional
@@ -365,6 +379,7 @@ def merge_round(
         logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
         candidates = [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
 
+    _warn_zero_fishers(uploads, server_round)
     fishers = uploads.fishers if fisher_cap is None else _capped(uploads, fisher_cap, fisher_cap_rule)
     clients = prepare_clients(uploads.weights, fishers, buffers=buffers, num_examples=uploads.num_examples,
                               client_ids=uploads.client_ids, checked=True)
@@ -373,8 +388,10 @@ def merge_round(
     maximize = higher_is_better(metric)
     best: BestSoFar[tuple[Candidate, str, MergeResult, Model, dict[str, float] | None]] = BestSoFar(maximize=maximize)
     trials: list[dict[str, Any]] = []
+    both = fallback == "validation" and matching != "none"
     if len(candidates) > 1:
-        logger.info("FedFiOT round %s: trying %d knob settings on the validation data", server_round, len(candidates))
+        logger.info("FedFiOT round %s: trying %d knob settings on the validation data%s", server_round, len(candidates),
+                    ", each as the aligned and the identity merge" if both else "")
     for cand in candidates:
         reference: str | int | Model = cand.reference
         if cand.reference == "broadcast":
@@ -412,7 +429,7 @@ def merge_round(
                     "variant": variant,
                     "objective": float(res.aligned_objective if variant == "aligned" else res.identity_objective),
                     "identity_objective": float(res.identity_objective),
-                    "paper_rule_aligned": bool(res.aligned_objective < res.identity_objective),
+                    "paper_rule_aligned": alignment_kept(res.aligned_objective, res.identity_objective),
                     "merge_seconds": float(res.seconds),
                     "validation": val,
                     **({"validation_cut": True} if validated is not None and val is None else {}),
@@ -422,14 +439,15 @@ def merge_round(
     cand, variant, res, model, val = best.item
 
     own = (model, variant, val)
+    merges_validated = validated.calls if validated is not None else 0
     baseline_model = baseline_val = None
     if baseline or (fedavg_candidate and validate is not None):
         baseline_model = size_weighted_average(uploads.weights, uploads.num_examples)
         baseline_val = validated(baseline_model) if validated is not None else None
     if len(trials) > 1:
-        logger.info("FedFiOT round %s: selected %s (%s) out of %d trials (%d distinct models validated, %d of them "
-                    "cut once they could not be chosen)", server_round, cand.label(), variant, len(trials),
-                    validated.calls if validated is not None else 0, len(validated.cut) if validated is not None else 0)
+        logger.info("FedFiOT round %s: selected %s (%s) out of %d knob settings (%d merges, %d distinct models "
+                    "validated, %d of them cut once they could not be chosen)", server_round, cand.label(), variant,
+                    len(candidates), len(trials), merges_validated, len(validated.cut) if validated is not None else 0)
     if fedavg_candidate and validate is not None and beats(_score(baseline_val, metric), best.score, maximize=maximize):
         logger.info("FedFiOT round %s: FedAvg of the same uploads scored best on validation and is returned; "
                     "FedFiOT's own merge (%s) is reported next to it", server_round, variant)

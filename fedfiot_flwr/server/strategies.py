@@ -7,12 +7,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from fedfiot_flwr.merge import PermutationSpec, spec_from_module
 from fedfiot_flwr.refine.options import RefineOptions
-from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
+from fedfiot_flwr.server.aggregators import (
+    FedFiOTAggregator,
+    FedFisherAggregator,
+    FedFisherOptions,
+    RegMeanAggregator,
+)
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.shell import MergeStrategy, ValidateFn, check_model, show_package_logs
 
@@ -20,7 +26,25 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-__all__ = ["FedFiOT", "FedFisherStrategy", "RegMeanStrategy", "fedfiot_aggregator"]
+__all__ = ["FedFiOT", "FedFisherStrategy", "RegMeanStrategy", "fedfiot_aggregator", "refuse_config_fields"]
+
+
+def refuse_config_fields(label: str, options: Mapping[str, Any]) -> None:
+    """Refuse :class:`FedFiOTConfig` fields given to a strategy as keyword arguments, showing the call.
+
+    Raises
+    ------
+    TypeError
+        ``FedFiOT: rho is a FedFiOTConfig field, not a strategy option; pass it as
+        FedFiOT(model, config=FedFiOTConfig.default(rho=0.3))``.
+    """
+    knobs = {f.name for f in fields(FedFiOTConfig)}
+    misplaced = {k: v for k, v in options.items() if k in knobs}
+    if misplaced:
+        what = "is a FedFiOTConfig field" if len(misplaced) == 1 else "are FedFiOTConfig fields"
+        call = ", ".join(f"{k}={v!r}" for k, v in misplaced.items())
+        raise TypeError(f"{label}: {', '.join(misplaced)} {what}, not a strategy option; pass it as "
+                        f"{label}(model, config=FedFiOTConfig.default({call}))")
 
 
 def fedfiot_aggregator(
@@ -114,6 +138,7 @@ class FedFiOT(MergeStrategy):
         fedavg_baseline: bool = True,
         **fedavg_options: Any,
     ) -> None:
+        refuse_config_fields("FedFiOT", fedavg_options)
         self.requested_config = config if config is not None else FedFiOTConfig.default()
         aggregator = fedfiot_aggregator(spec, model, config, validate_fn is not None or server_data is not None,
                                         refine is not None)
@@ -137,33 +162,17 @@ class FedFisherStrategy(MergeStrategy):
     ----------
     variant : {"kfac", "diag"}
         Kronecker-factored or diagonal Fishers.
-    steps, lr, eval_every, optimizer, fisher_scaling, damping, fisher_kind, selection_metric, device
-        See :class:`~fedfiot_flwr.server.aggregators.FedFisherAggregator`.
     **options
+        FedFisher's knobs, the fields of :class:`~fedfiot_flwr.server.aggregators.FedFisherOptions`
+        (``steps``, ``lr``, ``eval_every``, ``optimizer``, ``fisher_scaling``, ``damping``,
+        ``fisher_kind``, ``selection_metric``, ``device``), and
         :class:`~fedfiot_flwr.server.shell.MergeStrategy`'s options (``model``, ``validate_fn`` or
         ``server_data``, ``refine``, ``min_valid_replies``, FedAvg's options).
     """
 
-    def __init__(
-        self,
-        variant: str = "kfac",
-        *,
-        steps: int = 2000,
-        lr: float = 0.01,
-        eval_every: int = 100,
-        optimizer: str = "fedfisher",
-        fisher_scaling: str = "size",
-        damping: float = 0.0,
-        fisher_kind: str | None = None,
-        selection_metric: str = "accuracy",
-        device: Any = None,
-        **options: Any,
-    ) -> None:
-        aggregator = FedFisherAggregator(
-            variant, steps=steps, lr=lr, eval_every=eval_every, optimizer=optimizer, fisher_scaling=fisher_scaling,
-            damping=damping, fisher_kind=fisher_kind, selection_metric=selection_metric, device=device,
-        )
-        super().__init__(aggregator, **options)
+    def __init__(self, variant: str = "kfac", **options: Any) -> None:
+        knobs = {k: options.pop(k) for k in list(options) if k in FedFisherOptions.__dataclass_fields__}
+        super().__init__(FedFisherAggregator(variant, **knobs), **options)
 
 
 class RegMeanStrategy(MergeStrategy):

@@ -165,6 +165,9 @@ def _decode(
     limits = (MAX_WEIGHT_MAGNITUDE, fisher_bound)
     decoded: list[np.ndarray] = []
     for scale, c, what, limit in zip(scales, codes, ("weight", "Fisher"), limits):
+        if what == "weight" and np.isfinite(scale) and scale > limit:  # a well-formed upload of diverged training
+            raise ValueError(f"{where}: weights out of range, the largest |weight| {float(scale):g} exceeds the bound "
+                             f"{limit:g}: the client's training most likely diverged (try a lower learning rate)")
         try:
             decoded.append(dequantize(c, scale, dtype=dtype, name=name, max_scale=limit))
         except ValueError as err:
