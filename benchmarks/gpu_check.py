@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, TensorDataset
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.merge_scale import cnn_clients, wide_layer_uploads  # noqa: E402
+from benchmarks.merge_scale import cnn_clients, vgg_uploads, wide_layer_uploads  # noqa: E402
 from benchmarks.portable import command_line  # noqa: E402
 from fedfiot_flwr.data.loaders import read_idx  # noqa: E402
 from fedfiot_flwr.fisher import diagonal_fisher  # noqa: E402
@@ -239,28 +239,9 @@ def resnet18_uploads(k: int) -> tuple[list[Model], list[Model], PermutationSpec,
     return models, fishers, spec, opts
 
 
-def vgg_uploads(k: int) -> tuple[list[Model], list[Model], PermutationSpec, dict[str, Any]]:
-    """``k`` float16 vgg11_bn uploads around one random model (their wire precision), as ``merge_scale.py``."""
-    import torchvision
-
-    torch.manual_seed(0)
-    net = torchvision.models.vgg11_bn(weights=None, num_classes=10)
-    spec = spec_from_module(net)
-    base = {n: t.detach().numpy() for n, t in net.state_dict().items()}
-    buffers = [n for n in base if "running" in n or "num_batches" in n]
-    rng = np.random.default_rng(0)
-
-    def noisy(v: np.ndarray) -> np.ndarray:
-        if v.dtype.kind != "f":
-            return v.copy()
-        out = rng.standard_normal(size=v.shape, dtype=np.float32)
-        out *= 0.01
-        out += v
-        return out.astype(np.float16)
-
-    models = [{n: noisy(v) for n, v in base.items()} for _ in range(k)]
-    fishers = [{n: rng.standard_exponential(size=v.shape, dtype=np.float32).astype(np.float16)
-                for n, v in base.items() if n not in buffers} for _ in range(k)]
+def vgg_model_uploads(k: int) -> tuple[list[Model], list[Model], PermutationSpec, dict[str, Any]]:
+    """``merge_scale.py``'s ``k`` float16 vgg11_bn uploads, with their buffers as merge options."""
+    models, fishers, spec, buffers = vgg_uploads(k)
     return models, fishers, spec, {"buffers": buffers}
 
 
@@ -282,7 +263,7 @@ def merge_cases(quick: bool, wide_m: int) -> list[tuple[str, Callable[[], tuple]
              ("wide layer", wide, {"max_iters": 8}, MergeSpeed(cost_dtype="float32", lap_solver="auto", certify=True),
               2**31)]
     if not quick:
-        cases.append(("vgg11_bn", lambda: vgg_uploads(k), {"max_iters": 1}, f32, 2**34))
+        cases.append(("vgg11_bn", lambda: vgg_model_uploads(k), {"max_iters": 1}, f32, 2**34))
     return cases
 
 
@@ -326,7 +307,7 @@ def profile_vgg_section(device: torch.device, report: Report) -> None:
     if report.time_left() < 120:
         report.skip("vgg11_bn profile", "deadline")
         return
-    models, fishers, spec, extra = vgg_uploads(6)
+    models, fishers, spec, extra = vgg_model_uploads(6)
     speed = MergeSpeed(cost_dtype="float32", lap_solver="auto", backend="torch", device=str(device), stack_bytes=2**34)
     seconds, _ = report.profiled(f"vgg11_bn merge, torch on {device}", lambda: timed(
         lambda: merge(models, fishers, spec, speed=speed, reference=0, max_iters=1, **extra), device))

@@ -186,10 +186,39 @@ def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool, na
     return lines
 
 
+def vgg_uploads(k: int) -> tuple[list[dict], list[dict], PermutationSpec, list[str]]:
+    """``k`` float16 vgg11_bn uploads around one random model (their wire precision), Fishers from a
+    standard exponential, the traced spec and the BatchNorm buffers' names."""
+    import torch
+    import torchvision
+
+    from fedfiot_flwr.merge import spec_from_module
+
+    torch.manual_seed(0)
+    net = torchvision.models.vgg11_bn(weights=None, num_classes=10)
+    spec = spec_from_module(net)
+    base = {n: t.detach().numpy() for n, t in net.state_dict().items()}
+    buffers = [n for n in base if "running" in n or "num_batches" in n]
+    rng = np.random.default_rng(0)
+
+    def noisy(v: np.ndarray) -> np.ndarray:
+        if v.dtype.kind != "f":
+            return v.copy()
+        out = rng.standard_normal(size=v.shape, dtype=np.float32)
+        out *= 0.01
+        out += v
+        return out.astype(np.float16)
+
+    models = [{n: noisy(v) for n, v in base.items()} for _ in range(k)]
+    fishers = [{n: rng.standard_exponential(size=v.shape, dtype=np.float32).astype(np.float16)
+                for n, v in base.items() if n not in buffers} for _ in range(k)]
+    return models, fishers, spec, buffers
+
+
 VGG_CHILD = r"""
 import json, os, sys, threading, time
-import numpy as np, torch, torchvision
-from fedfiot_flwr.merge import MergeSpeed, merge, spec_from_module
+from fedfiot_flwr.merge import MergeSpeed, merge
+from benchmarks.merge_scale import vgg_uploads
 k, iters = int(sys.argv[1]), int(sys.argv[2])
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
@@ -200,22 +229,7 @@ def sample(stop):
     while not stop.is_set():
         peak[0] = max(peak[0], rss())
         time.sleep(0.2)
-net = torchvision.models.vgg11_bn(weights=None, num_classes=10)
-spec = spec_from_module(net)
-base = {n: t.detach().numpy() for n, t in net.state_dict().items()}
-buffers = [n for n in base if "running" in n or "num_batches" in n]
-rng = np.random.default_rng(0)
-def noisy(v):
-    if v.dtype.kind != "f":
-        return v.copy()
-    out = rng.standard_normal(size=v.shape, dtype=np.float32)
-    out *= 0.01
-    out += v
-    return out.astype(np.float16)
-models = [{n: noisy(v) for n, v in base.items()} for _ in range(k)]
-fishers = [{n: rng.standard_exponential(size=v.shape, dtype=np.float32).astype(np.float16)
-            for n, v in base.items() if n not in buffers} for _ in range(k)]
-del net, base
+models, fishers, spec, buffers = vgg_uploads(k)
 params = sum(v.size for n, v in models[0].items() if n not in buffers)
 uploads = sum(x.nbytes for m in (*models, *fishers) for x in m.values())
 rss0 = rss()

@@ -80,18 +80,23 @@ def _round(strategy: FedFiOT, grid: FakeGrid, clock: FakeClock, server_round: in
             clock.now - start)
 
 
+def _node_lost_in_round_one(monkeypatch: pytest.MonkeyPatch) -> tuple[FedFiOT, FakeGrid, FakeClock]:
+    """A FedFiOT strategy with 3 nodes after round 1's training, in which node 13 was lost."""
+    grid, clock = FakeGrid([11, 12, 13], None), FakeClock()
+    _strategies_wait_with(monkeypatch, clock=clock.monotonic, sleep=clock.sleep)
+    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_evaluate_nodes=3, min_available_nodes=3,
+                       min_valid_replies=2, node_wait_s=5.0)
+    strategy.configure_train(1, _arrays(), ConfigRecord(), grid)
+    grid.node_ids = [11, 12]
+    return strategy, grid, clock
+
+
 def test_a_lost_node_is_waited_for_once_not_in_every_later_round(monkeypatch: pytest.MonkeyPatch) -> None:
     def flower_waits(seconds: float) -> None:  # Flower's own unbounded wait for min_available_nodes
         raise AssertionError("Flower's sampling waited for a node the strategy knows is missing")
 
     monkeypatch.setattr("flwr.serverapp.strategy.strategy_utils.sleep", flower_waits)
-    grid, clock = FakeGrid([11, 12, 13], None), FakeClock()
-    _strategies_wait_with(monkeypatch, clock=clock.monotonic, sleep=clock.sleep)
-    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_evaluate_nodes=3, min_available_nodes=3,
-                       min_valid_replies=2, node_wait_s=5.0)
-
-    strategy.configure_train(1, _arrays(), ConfigRecord(), grid)
-    grid.node_ids = [11, 12]  # node 13 is lost during round 1's training
+    strategy, grid, clock = _node_lost_in_round_one(monkeypatch)
     evaluate = list(strategy.configure_evaluate(1, _arrays(), ConfigRecord(), grid))
     assert sorted(m.metadata.dst_node_id for m in evaluate) == [11, 12]
     assert clock.now == 5.0  # the first time it is missed: one full wait
@@ -222,12 +227,7 @@ def test_a_set_that_keeps_changing_is_taken_as_it_is_after_the_timeout_and_the_s
 def test_a_lost_node_is_reported_once_with_the_time_actually_waited(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    grid, clock = FakeGrid([11, 12, 13], None), FakeClock()
-    _strategies_wait_with(monkeypatch, clock=clock.monotonic, sleep=clock.sleep)
-    strategy = FedFiOT(spec=SPEC, min_train_nodes=3, min_evaluate_nodes=3, min_available_nodes=3,
-                       min_valid_replies=2, node_wait_s=5.0)
-    strategy.configure_train(1, _arrays(), ConfigRecord(), grid)
-    grid.node_ids = [11, 12]  # node 13 is lost during round 1's training
+    strategy, grid, clock = _node_lost_in_round_one(monkeypatch)
     with caplog.at_level("INFO"):
         strategy.configure_evaluate(1, _arrays(), ConfigRecord(), grid)
         for server_round in (2, 3):

@@ -181,6 +181,11 @@ def _failing_permutations_reference(module: Any, spec: PermutationSpec, example:
     answer faster.
     """
     model, example = _perturbed_copy(module, example, seed)
+    return _changed_outputs(model, example, spec, seed)
+
+
+def _changed_outputs(model: Any, example: Any, spec: PermutationSpec, seed: int) -> list[str]:
+    """The permutations of ``spec`` (one probe each, swapped in and back) that change ``model``'s outputs."""
     reference = _outputs(model, example)
     state = model.state_dict(keep_vars=True)
     sizes = spec.sizes({k: tuple(v.shape) for k, v in state.items()})
@@ -291,18 +296,7 @@ def _failing_permutations(module: Any, spec: PermutationSpec, example: Any, seed
 
     with torch.no_grad():
         model, example = _perturbed_double_copy(module, example, seed)
-        reference = _outputs(model, example)
-        state = model.state_dict(keep_vars=True)
-        sizes = spec.sizes({k: tuple(v.shape) for k, v in state.items()})
-        failing = []
-        for perm, p in _probe_permutations(spec, sizes, seed):
-            saved = _swap_in_permuted(state, spec, {perm: p})
-            try:
-                if not _same(reference, _outputs(model, example)):
-                    failing.append(perm)
-            finally:
-                _swap_back(state, saved)
-    return failing
+        return _changed_outputs(model, example, spec, seed)
 
 
 def _log_unaligned(reasons: Mapping[str, set[str]]) -> None:
