@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
-from _fedfiot_helpers import SHAPES, FakeGrid, packed, tiny_mlp
+from _fedfiot_helpers import ROOT, SHAPES, FakeGrid, app_snapshot, live_processes, packed, tiny_mlp
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from torch.utils.data import TensorDataset
 
@@ -20,6 +22,7 @@ from fedfiot_flwr import FedFiOT
 from fedfiot_flwr.server import FedFiOTConfig, RunRecorder, SweepGrid
 from fedfiot_flwr.server.checkpoint import FORMAT_VERSION, CheckpointError, load_resume_point
 from fedfiot_flwr.server.shell import arrays_to_numpy, numpy_to_arrays
+from scripts.launch import wait_for_results
 
 NODES = [101, 102, 103]
 CONFIG = {"app": {"lr": 0.02, "seed": 0, "results-dir": "somewhere"}}
@@ -245,3 +248,110 @@ def test_a_round_checkpoint_file_resumes_from_that_round(tmp_path: Path) -> None
     assert all(np.array_equal(model[k].numpy(), point.model[k]) for k in SHAPES)
     with pytest.raises(CheckpointError, match=r"no such run directory"):
         load_resume_point(tmp_path / "nowhere")
+
+
+# -- the launcher -----------------------------------------------------------------------------------------------
+
+
+def test_the_launcher_resumes_with_the_settings_the_checkpoint_recorded(tmp_path: Path) -> None:
+    from scripts.launch import resumed_run_config
+
+    stopped = _stopped_run(tmp_path)
+    settings = resumed_run_config(stopped, None, {"num-server-rounds": 6})
+    assert settings == {"lr": 0.02, "seed": 0, "num-server-rounds": 6, "resume-from": str(stopped)}
+    toml = tmp_path / "more.toml"
+    toml.write_text("lr = 0.05\nseed = 3\n")
+    assert resumed_run_config(stopped, toml, {"seed": 4})["lr"] == 0.05  # then checked by the app against the checkpoint
+    assert resumed_run_config(stopped, toml, {"seed": 4})["seed"] == 4
+
+
+def test_the_launcher_refuses_a_bad_checkpoint_before_starting_a_federation(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from scripts import launch
+
+    stopped = _stopped_run(tmp_path)
+    _truncate_state(stopped)
+    assert launch.main(["--resume", str(stopped), "--results-dir", str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err
+    assert f"FAILED: {stopped / 'checkpoints' / 'round-002.state.json'}: unreadable resume state" in err
+    assert not (tmp_path / "new").exists()  # no federation started, no run directory
+
+
+# -- a real deployment killed after round 2 and resumed -----------------------------------------------------------
+
+
+def _wait_for(path: Path, timeout: float, alive: Any = None) -> float:
+    """Wait until ``path`` exists (``alive()`` must stay true meanwhile); return the time it took."""
+    start = time.monotonic()
+    while not path.exists():
+        if time.monotonic() - start > timeout or (alive is not None and not alive()):
+            raise TimeoutError(f"{path} did not appear within {time.monotonic() - start:.0f}s")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def _final_model(run_dir: Path) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True).items()}
+
+
+@pytest.mark.slow
+def test_a_deployment_killed_after_round_2_resumes_and_ends_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Three real SuperNodes, 4 rounds. The SuperLink and the ServerApp are killed by PID (SIGKILL) once round 2
+    is checkpointed; the SuperLink is restarted on its database, the SuperNodes reconnect on their own, and the
+    run resumed from the killed run's directory ends with the model of an uninterrupted run with the same seeds."""
+    from scripts.launch import LocalFederation, descendants
+
+    before = app_snapshot()
+    results = tmp_path / "results"
+    config = {
+        "num-partitions": 3, "alpha": 0.5, "local-epochs": 1, "validation-size": 100, "num-server-rounds": 4,
+        "sweep-rho": "0.5", "sweep-lam": "1e-4", "fraction-evaluate": 0.0, "node-wait-s": 60.0,
+        "results-dir": str(results),
+    }
+    fed = LocalFederation(mode="deployment", num_supernodes=3, workdir=tmp_path / "fed")
+    seen: set[int] = set()
+    try:
+        fed.start()
+        fed.flwr_run(ROOT, {**config, "run-name": "whole"}, timeout=300)
+        whole = json.loads((results / "whole" / "results.json").read_text())
+        assert whole["status"] == "finished", whole.get("error")
+
+        run = fed.start_flwr_run(ROOT, {**config, "run-name": "killed"})
+        _wait_for(results / "killed" / "checkpoints" / "round-002.state.json", 240, alive=lambda: run.poll() is None)
+        superlink = fed.processes["superlink"]
+        serverapps = fed.serverapp_pids()
+        seen |= {superlink.pid, *descendants(superlink.pid), *serverapps}
+        assert len(serverapps) == 1
+        os.kill(superlink.pid, signal.SIGKILL)
+        os.kill(serverapps[0], signal.SIGKILL)
+        superlink.wait(timeout=30)
+        fed.kill("flwr-run", signal.SIGKILL)
+        killed_files = {p: p.read_bytes() for p in (results / "killed").rglob("*") if p.is_file()}
+
+        restarted = time.monotonic()
+        fed.restart_superlink()
+        resumed_run = fed.start_flwr_run(ROOT, {**config, "run-name": "resumed",
+                                                "resume-from": str(results / "killed")}, role="flwr-run-resumed")
+        _wait_for(results / "resumed" / "checkpoints" / "round-003.state.json", 240,
+                  alive=lambda: resumed_run.poll() is None)
+        first = time.monotonic() - restarted
+        data = wait_for_results(results / "resumed" / "results.json", timeout=240)
+        seen |= set(fed.pids().values()) | {p for pid in fed.pids().values() for p in descendants(pid)}
+    finally:
+        fed.stop()
+        seen |= {p.pid for p in fed._replaced}
+    assert live_processes(sorted(seen)) == [], "left running"
+    assert data["status"] == "finished", data.get("error")
+    killed = json.loads((results / "killed" / "results.json").read_text())
+    assert killed["status"] == "running" and [r["round"] for r in killed["rounds"]][:2] == [1, 2]
+    assert {p: p.read_bytes() for p in (results / "killed").rglob("*") if p.is_file()} == killed_files
+    assert data["resumed_from"]["round"] == 2 and data["resumed_from"]["run_dir"] == str(results / "killed")
+    assert [(r["round"], r.get("carried_over", False)) for r in data["rounds"]] == \
+        [(1, True), (2, True), (3, False), (4, False)]
+    assert not (results / "resumed" / "checkpoints" / "round-002.pt").exists()  # the earlier rounds stay where they are
+    resumed_model, whole_model = _final_model(results / "resumed"), _final_model(results / "whole")
+    largest = max(float(np.max(np.abs(resumed_model[k] - whole_model[k]))) for k in whole_model)
+    print(f"\nresume: {first:.1f}s from the SuperLink's restart to the end of the first resumed round; "
+          f"largest difference from the uninterrupted final model {largest:.3g}")
+    assert largest <= 1e-6
+    assert data["final"]["test"] == pytest.approx(whole["final"]["test"], abs=1e-6)
+    assert app_snapshot() == before
