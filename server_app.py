@@ -3,7 +3,8 @@
 The ``strategy`` key swaps FedFiOT for one of the paper's one-shot baselines (FedFisher with
 K-FAC or diagonal Fishers, RegMean); everything else (data, model, validation, results) stays.
 The ServerApp owns the recording: every run writes ``results.json`` and checkpoints into a new
-directory of its own (:class:`fedfiot_flwr.server.RunRecorder`).
+directory of its own (:class:`fedfiot_flwr.server.RunRecorder`); with ``resume-from`` it goes on
+after the last complete round of an earlier run's directory.
 
 Run with ``flwr run .`` (see the README); every knob is a ``[tool.flwr.app.config]`` key.
 """
@@ -143,9 +144,14 @@ def main(grid: Grid, context: Context) -> None:
     min_train = max(1, round(cfg.fraction_train * cfg.num_partitions))
 
     strategy = build_strategy(cfg, model, split.validation, min_train)
-    recorder = RunRecorder.create(cfg.results_dir, cfg.default_run_name(), {"app": cfg.as_dict()})
+    recorder = RunRecorder.create(cfg.results_dir, cfg.default_run_name(), {"app": cfg.as_dict()},
+                                  resume_from=cfg.resume_from or None,
+                                  may_differ=[f"app.{k}" for k in AppConfig.RUN_ONLY_KEYS])
     log(INFO, "FedFiOT app (%s): %s; results in %s", type(strategy).__name__, json.dumps(cfg.as_dict()),
         recorder.run_dir)
+    if recorder.resume is not None:
+        log(INFO, "Resuming after round %d of %s (%s)", recorder.resume.round, recorder.resume.run_dir,
+            recorder.resume.state_path.name)
 
     train_config = ConfigRecord(
         {

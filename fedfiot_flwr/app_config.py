@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fedfiot_flwr.options import (
     AGGREGATIONS,
@@ -174,6 +174,8 @@ def rules() -> dict[str, Rule]:
         "fedfisher_steps": Rule("an integer >= 0", lambda v: v >= 0),
         "results_dir": Rule("a directory path", lambda v: isinstance(v, str)),
         "run_name": Rule("a name, or empty (derived from the settings and the time)", lambda v: isinstance(v, str)),
+        "resume_from": Rule("a run directory (or one round's checkpoint file), or empty (start at round 1)",
+                            lambda v: isinstance(v, str)),
     }
 
 
@@ -299,7 +301,17 @@ class AppConfig:
         ``checkpoints/``; an existing run is never overwritten); an empty ``run_name`` is derived
         from the settings and the time. A relative ``results_dir`` is resolved against the
         ServerApp's working directory (the SuperLink's); the log prints the absolute path.
+    resume_from
+        Go on from the last complete round of this earlier run's directory (or from one round's
+        ``checkpoints/round-NNN.pt``), in a new run directory; every setting but those of
+        :attr:`RUN_ONLY_KEYS` must equal the earlier run's, and ``num_server_rounds`` (the total)
+        must exceed the round it stopped after. Empty: start at round 1.
     """
+
+    RUN_ONLY_KEYS: ClassVar[tuple[str, ...]] = (
+        "data-root", "num-server-rounds", "node-wait-s", "node-settle-s", "results-dir", "run-name", "resume-from",
+    )
+    """Run-config keys a resumed run may change: where things are, how long to wait, how many rounds in all."""
 
     dataset: str = "digits"
     data_root: str = ""
@@ -340,6 +352,7 @@ class AppConfig:
     fedfisher_steps: int = 2000
     results_dir: str = "results"
     run_name: str = ""
+    resume_from: str = ""
 
     def __post_init__(self) -> None:
         raise_problems([problem(f.name, getattr(self, f.name)) for f in fields(self)])

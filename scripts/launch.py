@@ -287,6 +287,7 @@ class LocalFederation:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _own_workdir: bool = False
     _logs: list[IO[bytes]] = field(default_factory=list)
+    _replaced: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.mode not in ("simulation", "deployment"):
@@ -317,9 +318,9 @@ class LocalFederation:
         env.update(self.env or {})
         return env
 
-    def _spawn(self, role: str, cmd: Sequence[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, role: str, cmd: Sequence[str], append: bool = False) -> subprocess.Popen[bytes]:
         assert self.workdir is not None
-        log = open(self.workdir / f"{role}.log", "wb")  # noqa: SIM115 - closed in stop()
+        log = open(self.workdir / f"{role}.log", "ab" if append else "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
         # A new session: the process and everything it spawns (ServerApp, simulation engine,
         # ClientApps) share one process group that stop() can signal by its id.
@@ -327,6 +328,8 @@ class LocalFederation:
             list(cmd), env=self.environ(), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir,
         )
+        if role in self.processes:
+            self._replaced.append(self.processes[role])
         self.processes[role] = proc
         return proc
 
@@ -352,15 +355,7 @@ class LocalFederation:
             f'[superlink]\ndefault = "fedfiot"\n\n[superlink.fedfiot]\naddress = "127.0.0.1:{self.port}"\n{security}',
             encoding="utf-8",
         )
-        cmd = [
-            _bin("flower-superlink"), *self._superlink_security(), "--isolation", "subprocess",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--database", str(self.flwr_home / "state.db"),
-            "--disable-runtime-dependency-installation",
-        ]
-        if self.mode == "simulation":
-            cmd.append("--simulation")
-        self._spawn("superlink", cmd)
+        self._spawn("superlink", self.superlink_command())
         self._wait_health(timeout)
         for public_key in self.registered_keys:
             self.register_supernode_key(public_key)
@@ -372,6 +367,42 @@ class LocalFederation:
                 if proc.poll() is not None and not self._may_be_refused(role):
                     raise RuntimeError(f"{role} exited with code {proc.returncode}; see {self.log_path(role)}")
         return self
+
+    def superlink_command(self) -> list[str]:
+        """The ``flower-superlink`` command line: this federation's port, TLS and database."""
+        cmd = [
+            _bin("flower-superlink"), *self._superlink_security(), "--isolation", "subprocess",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--database", str(self.flwr_home / "state.db"),
+            "--disable-runtime-dependency-installation",
+        ]
+        return cmd + (["--simulation"] if self.mode == "simulation" else [])
+
+    def restart_superlink(self, timeout: float = 60.0) -> int:
+        """Start the SuperLink again (same port, same ``--database``) after it stopped; return its PID.
+
+        The SuperNodes that kept running reconnect on their own. The earlier process's log is
+        kept: the new one appends to ``superlink.log``.
+
+        Raises
+        ------
+        RuntimeError
+            If the SuperLink is still running, or does not become healthy in time.
+        """
+        old = self.processes.get("superlink")
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"the SuperLink (PID {old.pid}) is still running; kill it first")
+        proc = self._spawn("superlink", self.superlink_command(), append=True)
+        self._wait_health(timeout)
+        return proc.pid
+
+    def serverapp_pids(self) -> list[int]:
+        """PIDs of the ServerApp processes (``flwr-serverapp``) the SuperLink started and that still run."""
+        leader = self.processes.get("superlink")
+        if leader is None:
+            return []
+        return [pid for pid, argv in descendants(leader.pid).items()
+                if any(Path(a).name == "flwr-serverapp" for a in argv[:2])]
 
     def _superlink_security(self) -> list[str]:
         args = ["--insecure"] if self.tls is None else [
@@ -488,6 +519,18 @@ class LocalFederation:
         timeout : float
             Seconds before ``flwr run`` is killed.
         """
+        return subprocess.run(
+            self.flwr_run_command(app_dir, run_config, run_config_file), env=self.environ(), capture_output=True,
+            text=True, timeout=timeout, cwd=self.workdir, check=False,
+        )
+
+    def flwr_run_command(
+        self,
+        app_dir: str | Path,
+        run_config: Mapping[str, Any] | None = None,
+        run_config_file: str | Path | None = None,
+    ) -> list[str]:
+        """The ``flwr run <app_dir> --stream`` command line of :meth:`flwr_run`."""
         cmd = [_bin("flwr"), "run", str(Path(app_dir).resolve()), "--stream"]
         if self.mode == "simulation":
             cmd += ["--federation-config", f"num-supernodes={self.num_supernodes}"]
@@ -498,15 +541,23 @@ class LocalFederation:
         values.update(run_config or {})
         if values:
             cmd += ["--run-config", run_config_arg(values)]
-        return subprocess.run(
-            cmd, env=self.environ(), capture_output=True, text=True, timeout=timeout,
-            cwd=self.workdir, check=False,
-        )
+        return cmd
+
+    def start_flwr_run(
+        self, app_dir: str | Path, run_config: Mapping[str, Any] | None = None, role: str = "flwr-run",
+    ) -> subprocess.Popen[bytes]:
+        """:meth:`flwr_run` in the background, as a started process ``role`` (its output in ``role``'s log).
+
+        Like every started process it is stopped by PID in :meth:`stop`, or with :meth:`kill`.
+        """
+        return self._spawn(role, self.flwr_run_command(app_dir, run_config))
 
     def stop(self, grace: float = 10.0) -> None:
-        """Stop every started process by PID (SIGTERM, then SIGKILL), with its process group."""
-        for role in reversed(list(self.processes)):
-            proc = self.processes[role]
+        """Stop every started process by PID (SIGTERM, then SIGKILL), with its process group.
+
+        Processes replaced by a restart are included: what they spawned is stopped by their group id.
+        """
+        for proc in reversed([*self._replaced, *self.processes.values()]):
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 if proc.poll() is None:
                     try:
@@ -551,6 +602,39 @@ class LocalFederation:
         self.cleanup()
 
 
+def _processes() -> dict[int, tuple[int, list[str]]]:
+    """``pid -> (parent pid, argv)`` of every live (non-zombie) process (Linux ``/proc``)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        # /proc/<pid>/stat: pid (comm) state ppid ...
+        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+        if state != "Z":
+            found[int(proc.name)] = (int(ppid), argv)
+    return found
+
+
+def descendants(pid: int) -> dict[int, list[str]]:
+    """``pid -> argv`` of the live processes ``pid`` started, directly or not (Flower's SuperExec
+    starts the ServerApp and ClientApps in sessions of their own, outside the starter's group)."""
+    table = _processes()
+    found: dict[int, list[str]] = {}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, argv) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = argv
+                frontier.append(child)
+    return found
+
+
 def wait_for_results(path: str | Path, timeout: float = 600.0, poll: float = 1.0) -> dict[str, Any]:
     """Wait until ``results.json`` at ``path`` says "finished" or "failed"; return its content.
 
@@ -587,16 +671,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-name", default=None, help="default: main-<timestamp>")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--keep-workdir", action="store_true", help="keep FLWR_HOME and process logs")
+    parser.add_argument("--resume", default=None, metavar="RUN_DIR",
+                        help="go on after the last complete round of this earlier run directory, with its settings "
+                             "(--run-config may change the total num-server-rounds); results go to a new directory")
     args = parser.parse_args(argv)
 
     try:
         overrides = parse_run_config(args.run_config)
-    except ValueError as exc:
+        if args.resume:
+            overrides = resumed_run_config(args.resume, args.run_config_file, overrides)
+            args.run_config_file = None  # merged into the overrides
+    except ValueError as exc:  # a bad run config, or a checkpoint that cannot be resumed from
         print(f"[fedfiot] FAILED: {exc}", file=sys.stderr)
         return 2
     k = (args.num_supernodes or _count(overrides.get("num-partitions"))
          or _num_partitions(args.app, args.run_config_file) or DEFAULT_NUM_SUPERNODES)
-    run_name = args.run_name or f"main-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = time.strftime('%Y%m%d-%H%M%S')
+    run_name = args.run_name or (f"{Path(args.resume).resolve().name}-resumed-{stamp}" if args.resume else f"main-{stamp}")
     results_dir = Path(args.results_dir).resolve()
     overrides.update({"results-dir": str(results_dir), "run-name": run_name})
     results_path = results_dir / run_name / "results.json"
@@ -626,6 +717,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[fedfiot] final test accuracy: {label} {fmt(ours)} | FedAvg on the same uploads {fmt(base)}{note}")
     print(f"[fedfiot] results: {results_path}")
     return 0
+
+
+def resumed_run_config(
+    run_dir: str | Path, run_config_file: str | Path | None, overrides: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The run config that goes on from ``run_dir``: the settings its last complete round recorded,
+    then ``run_config_file``'s and ``overrides``, and ``resume-from``.
+
+    Raises
+    ------
+    ValueError
+        (a :class:`~fedfiot_flwr.server.checkpoint.CheckpointError`) When ``run_dir`` holds no
+        checkpoint to resume from, naming the file and what is wrong.
+    """
+    from fedfiot_flwr.server.checkpoint import load_resume_point
+
+    point = load_resume_point(run_dir)
+    recorded = point.state.get("config", {}).get("app", {})
+    values = {k: v for k, v in recorded.items() if k not in ("results-dir", "run-name", "resume-from")}
+    if run_config_file is not None:
+        values.update(_load_toml(Path(run_config_file)))
+    values.update(overrides)
+    values["resume-from"] = str(Path(run_dir).expanduser().resolve())
+    return values
 
 
 def _run_app(

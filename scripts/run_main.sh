@@ -14,6 +14,7 @@
 #   bash scripts/run_main.sh --run-config "local-epochs=10 alpha=0.2"
 #   bash scripts/run_main.sh --run-config-file configs/digits-4rounds.toml
 #   bash scripts/run_main.sh --mode deployment        # real flower-supernode processes
+#   bash scripts/run_main.sh --resume results/<run>   # go on after the last complete round of a stopped run
 # Set SKIP_SETUP=1 to skip `scripts/setup.sh` when .venv is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,6 +8,12 @@ disk. Every run gets a new directory (an existing one is never reused: ``name``,
     recorder = RunRecorder.create("results", "my-run", config={"lr": 0.01})
     result = recorder.run(strategy, grid=grid, initial_arrays=arrays, num_rounds=1, evaluate_fn=test_fn)
     # recorder.path -> results/my-run/results.json; recorder.run_dir / "checkpoints" / "final.pt"
+
+Every round leaves a checkpoint a later run can resume from
+(:mod:`fedfiot_flwr.server.checkpoint`); a run that stopped goes on in a new directory::
+
+    recorder = RunRecorder.create("results", "my-run-resumed", config={"lr": 0.01}, resume_from="results/my-run")
+    result = recorder.run(strategy, grid=grid, initial_arrays=arrays, num_rounds=4, evaluate_fn=test_fn)
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +31,21 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
+from fedfiot_flwr.server.checkpoint import (
+    FILE_MODE,
+    CheckpointError,
+    ResumePoint,
+    load_resume_point,
+    save_checkpoint,
+    write_round_checkpoint,
+)
 from fedfiot_flwr.server.rounds import jsonable
-from fedfiot_flwr.server.shell import MergeStrategy, numpy_to_arrays
+from fedfiot_flwr.server.shell import MergeStrategy, arrays_to_numpy, numpy_to_arrays
 
 __all__ = ["RunRecorder", "save_checkpoint", "unique_run_dir"]
 
-FILE_MODE = 0o644
+#: Recorded settings a resumed run may change: how many rounds the run has in all.
+RESUMABLE_CHANGES = ("num_rounds",)
 
 
 def unique_run_dir(results_dir: str | os.PathLike[str], name: str) -> Path:
@@ -45,17 +60,6 @@ def unique_run_dir(results_dir: str | os.PathLike[str], name: str) -> Path:
         except FileExistsError:
             continue
     raise RuntimeError(f"no free run directory for {name!r} under {root}")
-
-
-def save_checkpoint(model: Mapping[str, np.ndarray], path: str | os.PathLike[str]) -> Path:
-    """Save a numpy state dict as a torch ``state_dict`` file (``model.load_state_dict(torch.load(path))``)."""
-    import torch  # only needed when checkpointing
-
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: torch.from_numpy(np.array(v, copy=True)) for k, v in model.items()}, target)
-    os.chmod(target, FILE_MODE)
-    return target
 
 
 def _scalars(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -75,6 +79,11 @@ class RunRecorder:
         The run's own directory (see :func:`unique_run_dir`).
     config : mapping, optional
         The run configuration, stored under ``"config"``.
+
+    Attributes
+    ----------
+    resume : ResumePoint or None
+        The checkpoint this run goes on from (:meth:`create` with ``resume_from``).
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> None:
@@ -84,11 +93,54 @@ class RunRecorder:
             "status": "running", "error": None, "config": jsonable(dict(config or {})),
             "rounds": [], "final": {}, "started": time.time(), "updated": time.time(),
         }
+        self.resume: ResumePoint | None = None
+        self._may_differ: tuple[str, ...] = RESUMABLE_CHANGES
 
     @classmethod
-    def create(cls, results_dir: str | os.PathLike[str], name: str, config: Mapping[str, Any] | None = None) -> RunRecorder:
-        """A recorder in a new directory ``results_dir/name[-N]``."""
-        return cls(unique_run_dir(results_dir, name), config)
+    def create(
+        cls,
+        results_dir: str | os.PathLike[str],
+        name: str,
+        config: Mapping[str, Any] | None = None,
+        resume_from: str | os.PathLike[str] | None = None,
+        may_differ: Iterable[str] = (),
+    ) -> RunRecorder:
+        """A recorder in a new directory ``results_dir/name[-N]``.
+
+        Parameters
+        ----------
+        results_dir, name : str
+            Where the run directory goes.
+        config : mapping, optional
+            The run configuration.
+        resume_from : path, optional
+            Go on from the last complete round of this run directory (or from one round's
+            checkpoint file, see :func:`~fedfiot_flwr.server.checkpoint.load_resume_point`). The
+            new directory records it (``"resumed_from"``); the earlier one is never written to.
+        may_differ : iterable of str
+            Dotted keys of ``config`` a resumed run may change (``"app.results-dir"``); every
+            other setting must equal the checkpoint's (the total ``num_rounds`` may grow).
+
+        Raises
+        ------
+        CheckpointError
+            When ``resume_from`` holds no checkpoint this package can resume from (naming the file
+            and what is wrong); the new directory's ``results.json`` is marked failed with it.
+        """
+        recorder = cls(unique_run_dir(results_dir, name), config)
+        if resume_from is None:
+            return recorder
+        recorder._may_differ = (*RESUMABLE_CHANGES, *may_differ)
+        recorder.data["resumed_from"] = {"path": str(Path(resume_from).expanduser().resolve())}
+        try:
+            recorder.resume = load_resume_point(resume_from)
+        except CheckpointError as exc:
+            recorder.finish(error=f"cannot resume: {exc}")
+            raise
+        recorder.data["resumed_from"].update({"run_dir": str(recorder.resume.run_dir), "round": recorder.resume.round,
+                                              "checkpoint": str(recorder.resume.state_path)})
+        recorder.write()
+        return recorder
 
     # -- the file ---------------------------------------------------------------------------
 
@@ -129,6 +181,42 @@ class RunRecorder:
         for report in strategy.reports:
             self.round(int(report["round"])).update(report)
 
+    def _go_on(self, strategy: MergeStrategy, initial_arrays: ArrayRecord, num_rounds: int) -> ArrayRecord:
+        """Check the resume point against this run, restore the strategy, carry the earlier rounds over;
+        return the global model to start from.
+
+        Raises
+        ------
+        CheckpointError
+            Another model or configuration, or no round left to run (the file is named).
+        """
+        point = self.resume
+        assert point is not None
+        point.check_fits(self.data["config"], arrays_to_numpy(initial_arrays), ignore=self._may_differ)
+        if num_rounds <= point.round:
+            raise CheckpointError(f"{point.state_path}: round {point.round} is already complete and the run has "
+                                  f"num_rounds = {num_rounds}; nothing left to run (raise the number of rounds to "
+                                  "go on training)")
+        try:
+            strategy.restore(point.state["strategy"], point.round)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise CheckpointError(f"{point.state_path}: unusable strategy state ({type(exc).__name__}: {exc})") from exc
+        self.data["rounds"] = [dict(rec, carried_over=True) for rec in point.state["rounds"]]
+        if "initial_test" in point.state:
+            self.data["initial_test"] = point.state["initial_test"]
+        self.write()
+        return numpy_to_arrays(point.model, list(initial_arrays.keys()))
+
+    def _checkpoint(self, strategy: MergeStrategy, server_round: int, arrays: ArrayRecord,
+                    res: MetricRecord | None) -> None:
+        """Write round ``server_round``'s model and resume state (its record already holds the round's results)."""
+        carried = strategy.carried_state()
+        if res is not None:  # Flower adds this round's evaluation to its history after evaluate_fn returns
+            carried["history"]["evaluate_metrics_serverapp"][str(server_round)] = dict(res)
+        state = {"config": self.data["config"], "rounds": self.data["rounds"],
+                 "initial_test": self.data.get("initial_test"), "strategy": jsonable(carried)}
+        write_round_checkpoint(self.run_dir / "checkpoints", server_round, arrays_to_numpy(arrays), state)
+
     def run(
         self,
         strategy: MergeStrategy,
@@ -147,12 +235,26 @@ class RunRecorder:
         ``evaluate_fn`` (the test evaluation, Flower's signature) is applied to the global model
         as Flower does, and also to the alternatives of each round (FedAvg of the same uploads,
         FedFiOT's own merge when FedAvg won the validation choice). With ``checkpoints`` the
-        global model of every round and the final one are saved under ``run_dir/checkpoints``.
-        A failing run is recorded as failed with the error, then the error is raised.
+        global model of every round and the final one are saved under ``run_dir/checkpoints``, each
+        round's with the state a resumed run needs (``round-NNN.state.json``).
+
+        A recorder created with ``resume_from`` first checks the checkpoint against this run's
+        model (``initial_arrays``: names, dtypes, shapes) and configuration, restores the strategy
+        (:meth:`~fedfiot_flwr.MergeStrategy.restore`), carries the earlier rounds' records over
+        (marked ``"carried_over"``), and starts at the next round from the checkpoint's model; a
+        checkpoint that does not fit raises :class:`~fedfiot_flwr.server.checkpoint.CheckpointError`
+        before any client is asked to train. A failing run is recorded as failed with the error,
+        then the error is raised.
         """
         self.data["config"].update(jsonable({"num_rounds": num_rounds, "strategy": type(strategy).__name__,
                                              "aggregator": strategy.aggregator.config()}))
         self.write()
+        if self.resume is not None:
+            try:
+                initial_arrays = self._go_on(strategy, initial_arrays, num_rounds)
+            except CheckpointError as exc:
+                self.finish(error=f"cannot resume: {exc}")
+                raise
 
         def recorded_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             res = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
@@ -168,8 +270,9 @@ class RunRecorder:
                     key = {"fedavg": "fedavg_test", "fedfiot-own": "own_test"}.get(name, f"{name}_test")
                     values[key] = _scalars(evaluate_fn(server_round, numpy_to_arrays(model, list(arrays.keys()))))
             if checkpoints:
-                model = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
-                values["checkpoint"] = str(save_checkpoint(model, self.run_dir / "checkpoints" / f"round-{server_round:03d}.pt"))
+                values["checkpoint"] = str(self.run_dir / "checkpoints" / f"round-{server_round:03d}.pt")
+                self.round(server_round).update(jsonable(values))
+                self._checkpoint(strategy, server_round, arrays, res)
             self.update_round(server_round, values)
             return res
 
@@ -184,6 +287,8 @@ class RunRecorder:
             raise
         self._sync_reports(strategy)
         final: dict[str, Any] = {"rounds": num_rounds, "seconds": time.perf_counter() - t0}
+        if self.resume is not None:
+            final["resumed_after_round"] = self.resume.round
         if self.data["rounds"]:
             last_rec = self.data["rounds"][-1]
             final.update({k: last_rec[k] for k in ("test", "fedavg_test", "own_test", "validation", "chosen")

@@ -29,6 +29,7 @@ from fedfiot_flwr.refine.base import ModelMapStage, PostMergeStage
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.aggregators import Aggregator
 from fedfiot_flwr.server.nodes import NodeWaiter
+from fedfiot_flwr.server.resume import RoundHistory, continue_rounds
 from fedfiot_flwr.server.rounds import RoundMerger, RoundResult
 from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.uploads import FirstReplies
@@ -250,6 +251,10 @@ class MergeStrategy(FedAvg):
         self._sent: list[Message] = []
         self._node_waiter = NodeWaiter(node_wait_s)
         self.unavailable_nodes: dict[int, list[int]] = {}  # round -> nodes lost since an earlier round
+        self.history = RoundHistory()
+        """Flower's per-round metrics so far (what ``start``'s ``Result`` holds), kept for a resume."""
+        self.resumed_after = 0
+        """The round :meth:`restore` went on from (0: ``start`` begins at round 1)."""
 
     # -- what the round produced -------------------------------------------------------------
 
@@ -273,11 +278,76 @@ class MergeStrategy(FedAvg):
         """The last merged round: model, decoded uploads, aggregator outcome and report."""
         return self.merger.last
 
+    # -- what a resumed run needs -----------------------------------------------------------
+
+    def carried_state(self) -> dict[str, Any]:
+        """Everything the strategy carries from one round to the next, JSON-ready.
+
+        The per-round reports, server-side metrics, lost nodes and Flower's per-round metrics
+        (:attr:`history`). With the global model this is what :meth:`restore` needs to go on as if
+        the run had never stopped: every round's merge depends only on its own uploads, the
+        broadcast model and the strategy's options (the selection, the robust Fisher cap and the
+        refinement keep nothing from one round to the next). Not carried: the node bookkeeping of
+        the bounded wait (node ids belong to the SuperLink; a node lost before the stop and still
+        missing is waited for once more).
+        """
+        return {
+            "reports": [dict(r) for r in self.reports],
+            "server_metrics": {str(r): dict(m) for r, m in self.server_metrics.items()},
+            "unavailable_nodes": {str(r): list(n) for r, n in self.unavailable_nodes.items()},
+            "history": self.history.as_json(),
+        }
+
+    def restore(self, state: Mapping[str, Any], after_round: int) -> None:
+        """Take back :meth:`carried_state` of a run stopped after ``after_round``; ``start`` then begins
+        at round ``after_round + 1`` with ``initial_arrays`` the global model of that round.
+
+        Raises
+        ------
+        ValueError
+            If ``after_round < 1`` or ``state`` lacks a part (the message names it).
+        """
+        if after_round < 1:
+            raise ValueError(f"{self.aggregator.label}: restore needs a completed round >= 1, got {after_round}")
+        missing = [k for k in ("reports", "server_metrics", "unavailable_nodes", "history") if k not in state]
+        if missing:
+            raise ValueError(f"{self.aggregator.label}: the carried state lacks {missing}")
+        self.merger.reports[:] = [dict(r) for r in state["reports"]]
+        self.server_metrics = {int(r): MetricRecord(dict(m)) for r, m in state["server_metrics"].items()}
+        self.unavailable_nodes = {int(r): [int(n) for n in nodes] for r, nodes in state["unavailable_nodes"].items()}
+        self.history = RoundHistory.from_json(state["history"])
+        self.resumed_after = int(after_round)
+
     # -- Flower hooks ------------------------------------------------------------------------
 
-    def start(self, *args: Any, **kwargs: Any) -> MergeResult:
-        """Flower's ``start``; the returned result also holds the server-side aggregation metrics."""
-        result = super().start(*args, **kwargs)
+    def start(  # noqa: PLR0913 - Flower's signature
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> MergeResult:
+        """Flower's ``start``; the returned result also holds the server-side aggregation metrics.
+
+        After :meth:`restore` it begins at the round after the restored one (``initial_arrays``:
+        that round's global model, not evaluated again) and returns every round's metrics.
+        """
+        def tracked(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            res = evaluate_fn(server_round, arrays)  # type: ignore[misc]
+            if res is not None:
+                self.history.evaluate_metrics_serverapp[server_round] = res
+            return res
+
+        tracked_fn = tracked if evaluate_fn is not None else None
+        if self.resumed_after:
+            result = continue_rounds(self, self.history, self.resumed_after + 1, grid, initial_arrays, num_rounds,
+                                     timeout, (train_config, evaluate_config), tracked_fn)
+        else:
+            result = super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                                   tracked_fn)
         out = MergeResult(**{f.name: getattr(result, f.name) for f in fields(result)},
                           aggregation_metrics_serverapp=dict(self.server_metrics))
         for line in out.aggregation_summary().splitlines():  # after the summary Flower printed
@@ -352,7 +422,17 @@ class MergeStrategy(FedAvg):
         self.server_metrics[server_round] = metric_record(result.report["server_metrics"])
         log(DEBUG, "%s round %s server-side metrics: %s", self.aggregator.label, server_round,
             dict(self.server_metrics[server_round]))
-        return numpy_to_arrays(result.model), self._train_metrics(result)
+        metrics = self._train_metrics(result)
+        if metrics is not None:
+            self.history.train_metrics_clientapp[server_round] = metrics
+        return numpy_to_arrays(result.model), metrics
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """FedAvg's aggregation of the clients' evaluation metrics (kept in :attr:`history`)."""
+        metrics = super().aggregate_evaluate(server_round, replies)
+        if metrics is not None:
+            self.history.evaluate_metrics_clientapp[server_round] = metrics
+        return metrics
 
     def _train_metrics(self, result: RoundResult) -> MetricRecord | None:
         """The clients' own training metrics, aggregated as FedAvg does (names unchanged)."""
