@@ -29,7 +29,8 @@ from fedfiot_flwr.refine.base import ModelMapStage, PostMergeStage
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.aggregators import Aggregator
 from fedfiot_flwr.server.nodes import NodeWaiter
-from fedfiot_flwr.server.rounds import RoundMerger, RoundResult
+from fedfiot_flwr.server.outcome import RoundOutcome
+from fedfiot_flwr.server.rounds import RoundMerger
 from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.uploads import FirstReplies
 from fedfiot_flwr.options import Model
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-__all__ = ["MergeResult", "MergeStrategy", "arrays_to_numpy", "buffers_of", "check_sampling", "check_model",
+__all__ = ["RunResult", "MergeStrategy", "arrays_to_numpy", "buffers_of", "check_sampling", "check_model",
            "metric_record", "numpy_to_arrays"]
 
 ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float] | None]
@@ -135,7 +136,7 @@ def check_sampling(label: str, **options: Any) -> None:
 
 
 @dataclass
-class MergeResult(Result):
+class RunResult(Result):
     """Flower's ``Result`` plus the server-side aggregation metrics of every round.
 
     Attributes
@@ -269,16 +270,16 @@ class MergeStrategy(FedAvg):
         return self.merger.reports
 
     @property
-    def last_round(self) -> RoundResult | None:
+    def last_round(self) -> RoundOutcome | None:
         """The last merged round: model, decoded uploads, aggregator outcome and report."""
         return self.merger.last
 
     # -- Flower hooks ------------------------------------------------------------------------
 
-    def start(self, *args: Any, **kwargs: Any) -> MergeResult:
+    def start(self, *args: Any, **kwargs: Any) -> RunResult:
         """Flower's ``start``; the returned result also holds the server-side aggregation metrics."""
         result = super().start(*args, **kwargs)
-        out = MergeResult(**{f.name: getattr(result, f.name) for f in fields(result)},
+        out = RunResult(**{f.name: getattr(result, f.name) for f in fields(result)},
                           aggregation_metrics_serverapp=dict(self.server_metrics))
         for line in out.aggregation_summary().splitlines():  # after the summary Flower printed
             log(INFO, "\t%s", line)
@@ -345,7 +346,7 @@ class MergeStrategy(FedAvg):
                 good.append((node, msg.content))
         lost = self.unavailable_nodes.get(server_round)
         try:
-            result = self.merger.merge(server_round, good, errors, self._broadcast)
+            result = self.merger.run_round(server_round, good, errors, self._broadcast)
         finally:
             if lost and self.reports and self.reports[-1].get("round") == server_round:
                 self.reports[-1]["unavailable_nodes"] = list(lost)
@@ -354,7 +355,7 @@ class MergeStrategy(FedAvg):
             dict(self.server_metrics[server_round]))
         return numpy_to_arrays(result.model), self._train_metrics(result)
 
-    def _train_metrics(self, result: RoundResult) -> MetricRecord | None:
+    def _train_metrics(self, result: RoundOutcome) -> MetricRecord | None:
         """The clients' own training metrics, aggregated as FedAvg does (names unchanged)."""
         contents = result.uploads.contents
         if not contents:
