@@ -46,7 +46,7 @@ class AuditCell:
 
     def refine(self, options: RefineOptions) -> tuple[dict[str, np.ndarray], RefineReport]:
         """The refinement of the merge: fitted on the fitting fold, candidates picked on the selection fold."""
-        perms = self.outcome.result.permutations if self.outcome.variant == "aligned" else None
+        perms = self.outcome.engine_result.permutations if self.outcome.variant == "aligned" else None
         q = self.uploads.quantized
         return refine_merged_model(
             self.outcome.model, q.weights, self.build(), DataLoader(self.folds["fit"], batch_size=500),

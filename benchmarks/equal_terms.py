@@ -107,7 +107,7 @@ def starts(setting: H.Setting, split: Any, uploads: H.Uploads, build: Callable[[
     if {"fedfiot-refined", "fedfiot-refined-unaligned"} & set(methods):
         merged = S.fedfiot_merge_on_fold(uploads, spec, buffers, S.selection_evaluator(split, build), args.grid,
                                          setting.init)
-        out["fedfiot-refined"] = (merged.model, merged.result.permutations if merged.variant == "aligned" else None)
+        out["fedfiot-refined"] = (merged.model, merged.engine_result.permutations if merged.variant == "aligned" else None)
         out["fedfiot-refined-unaligned"] = (merged.model, None)
     if "fedavg-refined" in methods:
         out["fedavg-refined"] = (size_weighted_average(q.weights, q.num_examples), None)

@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness as H  # noqa: E402
 from fedfiot_flwr.fisher import diagonal_fisher  # noqa: E402
-from fedfiot_flwr.server.selection import Candidate, SweepGrid, merge_round  # noqa: E402
+from fedfiot_flwr.server.config import FedFiOTConfig  # noqa: E402
+from fedfiot_flwr.server.outcome import RoundContext  # noqa: E402
+from fedfiot_flwr.server.selection import SweepGrid, sweep_candidates  # noqa: E402
 from fedfiot_flwr.server.uploads import CollectedUploads  # noqa: E402
 
 RHOS = (0.3, 0.5, 0.7)
@@ -76,13 +78,13 @@ def run_remedy(name: str, collected: CollectedUploads, uploads: H.Uploads, spec:
                ev: H.Evaluator) -> dict[str, Any]:
     matching, aggregation, fallback, rhos, scalings, fedavg_candidate, _ = REMEDIES[name]
     refs = ("largest", "broadcast") if uploads.broadcast is not None and matching != "none" else ("largest",)
-    default = Candidate(rhos[len(rhos) // 2], LAMS[0], "largest", scalings[0])
     grid = SweepGrid(rhos, LAMS if name != "fedavg" else (1e-3,), refs, scalings)
-    out = merge_round(collected, spec, default, matching=matching, aggregation=aggregation, fallback=fallback,
-                      buffers=buffers, broadcast=uploads.broadcast, server_round=2 if "broadcast" in refs else 1,
-                      sweep=grid, validate=ev.validate, baseline=False, fedavg_candidate=fedavg_candidate)
+    config = FedFiOTConfig(rho=rhos[len(rhos) // 2], lam=LAMS[0], fisher_scaling=scalings[0], matching=matching,
+                           aggregation=aggregation, selection=fallback, sweep=grid, fedavg_candidate=fedavg_candidate)
+    context = RoundContext(2 if "broadcast" in refs else 1, uploads.broadcast, tuple(buffers), ev.validate)
+    out = sweep_candidates(collected, spec, config, context)
     _, test_acc = ev.test(out.model)
-    res = out.result
+    res = out.engine_result
     return {
         "remedy": name, "test_accuracy": test_acc, "validation_accuracy": (out.validation or {}).get("accuracy"),
         "variant": out.variant, "knobs": out.candidate.label(),

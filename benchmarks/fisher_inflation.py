@@ -143,7 +143,7 @@ def run_scenario(uploads: H.Uploads, replies: list[Any], spec: Any, buffers: Seq
     expected = {k: tuple(np.shape(v)) for k, v in uploads.float32.weights[0].items()}
     collected = collect_uploads(list(zip(ids, replies)), expected, buffers, fisher_bound=aggregator.fisher_bound)
     t0 = time.perf_counter()
-    outcome = aggregator.merge(collected, H.round_context(uploads, buffers, ev.validate))
+    outcome = aggregator.aggregate(collected, H.round_context(uploads, buffers, ev.validate))
     seconds = time.perf_counter() - t0
     _, acc = ev.test(outcome.model)
     _, own_acc = ev.test(outcome.own_model) if outcome.own_model is not None else (None, acc)

@@ -41,15 +41,10 @@ from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec, merge
 from fedfiot_flwr.models import permutation_spec
 from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_RHOS, DEFAULT_LAM, DEFAULT_RHO, INITS, Model
-from fedfiot_flwr.server.aggregators import (
-    AggregateOutcome,
-    FedFiOTAggregator,
-    FedFisherAggregator,
-    RegMeanAggregator,
-    RoundContext,
-)
+from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.selection import MergeOutcome, SweepGrid
+from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome
+from fedfiot_flwr.server.selection import SweepGrid
 from fedfiot_flwr.server.shell import buffers_of
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads
 from fedfiot_flwr.task import default_device, evaluate
@@ -584,13 +579,13 @@ def swept_knobs(config: FedFiOTConfig) -> list[str]:
 class MethodResult:
     """A method's chosen model on one setting and how it was chosen.
 
-    ``outcome`` is the aggregator's :class:`~fedfiot_flwr.server.aggregators.AggregateOutcome`;
+    ``outcome`` is the aggregator's :class:`~fedfiot_flwr.server.outcome.RoundOutcome`;
     ``upload`` is ``"q16"`` or ``"fp32"`` (the uploads merged).
     """
 
     method: str
     model: Model
-    outcome: AggregateOutcome
+    outcome: RoundOutcome
     validation_accuracy: float
     knobs: dict[str, Any]
     fraction_permuted: float
@@ -644,14 +639,14 @@ def merge_outcome(
     validate: Callable[[Model], Mapping[str, float]],
     server_round: int = 1,
     upload: str = "q16",
-) -> MergeOutcome:
-    """The shipped aggregator's merge and selection of ``uploads`` (:meth:`FedFiOTAggregator.merge`),
+) -> RoundOutcome:
+    """The shipped aggregator's merge and selection of ``uploads`` (:meth:`FedFiOTAggregator.aggregate`),
     with everything it tried (both merges of the chosen candidate, its permutations)."""
     context = round_context(uploads, buffers, validate, server_round)
-    return FedFiOTAggregator(spec, config).merge(uploads.collected(upload), context)
+    return FedFiOTAggregator(spec, config).aggregate(uploads.collected(upload), context)
 
 
-def _knobs(config: FedFiOTConfig, outcome: AggregateOutcome) -> dict[str, Any]:
+def _knobs(config: FedFiOTConfig, outcome: RoundOutcome) -> dict[str, Any]:
     """The knobs the aggregator chose, which of them were swept, and whether the method aligns."""
     knobs: dict[str, Any] = dict(outcome.chosen)
     if config.fedavg_candidate:

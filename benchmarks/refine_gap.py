@@ -60,7 +60,7 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[
     t0 = time.perf_counter()
     outcome = S.fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, args.grid, setting.init)
     merge_seconds = time.perf_counter() - t0
-    res = outcome.result
+    res = outcome.engine_result
     frac = float(np.mean(res.fraction_permuted)) if res.fraction_permuted else 0.0
     perms = res.permutations if outcome.variant == "aligned" else None
     add("merge", f"fedfiot ({outcome.variant})", outcome.model, sel_ev.validate(outcome.model)["accuracy"],

@@ -36,7 +36,7 @@ from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.options import Model
 from fedfiot_flwr.refine import RefineOptions
 from fedfiot_flwr.refine.stage import RefinementStage, fold_subsets
-from fedfiot_flwr.server.selection import MergeOutcome
+from fedfiot_flwr.server.outcome import RoundOutcome
 from fedfiot_flwr.task import train
 
 SERVER_DATA_METHODS = ("best-single-client", "mean-client", "ensemble", "centralized", "fedfiot-refined")
@@ -129,7 +129,7 @@ def centralized(setting: H.Setting, split: FederatedSplit, uploads: H.Uploads, e
 
 
 def fedfiot_merge_on_fold(uploads: H.Uploads, spec: PermutationSpec, buffers: Sequence[str], sel_ev: H.Evaluator,
-                          grid: str = "small", init: str = "shared") -> MergeOutcome:
+                          grid: str = "small", init: str = "shared") -> RoundOutcome:
     """FedFiOT's default-preset merge as the strategy runs it with a refinement after it (no FedAvg
     candidate: :meth:`FedFiOTConfig.for_server`), knobs chosen on the selection fold."""
     config = H.method_config("fedfiot-default", init, grid).for_server(has_validation=True, refining=True)
@@ -139,12 +139,12 @@ def fedfiot_merge_on_fold(uploads: H.Uploads, spec: PermutationSpec, buffers: Se
 def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch.nn.Module], spec: PermutationSpec,
             buffers: Sequence[str], ev: H.Evaluator, sel_ev: H.Evaluator, options: RefineOptions,
             grid: str = "small", init: str = "shared", log: Callable[[str], None] | None = None,
-            merge_outcome: MergeOutcome | None = None) -> dict[str, Any]:
+            merge_outcome: RoundOutcome | None = None) -> dict[str, Any]:
     """The ``fedfiot-refined`` record: FedFiOT's merge (knobs on the selection fold), then the refinement."""
     t0 = time.perf_counter()
     outcome = merge_outcome or fedfiot_merge_on_fold(uploads, spec, buffers, sel_ev, grid, init)
     merge_seconds = time.perf_counter() - t0
-    res = outcome.result
+    res = outcome.engine_result
     perms = res.permutations if outcome.variant == "aligned" else None
     stage = RefinementStage(build(), split.validation, options, spec=spec)  # the strategies' own stage and folds
     stage.progress = log

@@ -10,7 +10,7 @@ for each setting this runs, in one process:
   model);
 - the ``merge_round`` of ``--previous-rev`` ("shared preparation": shared preparation, tempering, identity
   merges and validations, but every candidate aligns from scratch);
-- the current ``merge_round``: float64 (exact: alignment iterations and aligned merges shared
+- the current ``sweep_candidates``: float64 (exact: alignment iterations and aligned merges shared
   between candidates that reach the same state, bit-identical); with certified warm-started
   assignments (``certify=True``); with float32 costs + LAPJV + certify; and with warm starts
   across candidates (``warm_start=True``, opt-in, not the paper's cold start); and with the
@@ -48,10 +48,10 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
 from benchmarks.portable import command_line  # noqa: E402
-from fedfiot_flwr.merge import MergeSpeed  # noqa: E402
 from fedfiot_flwr.merge.lap import lapjv_available  # noqa: E402
 from fedfiot_flwr.server.config import FedFiOTConfig  # noqa: E402
-from fedfiot_flwr.server.selection import Candidate, merge_round  # noqa: E402
+from fedfiot_flwr.server.outcome import RoundContext  # noqa: E402
+from fedfiot_flwr.server.selection import Candidate, sweep_candidates  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
 from fedfiot_flwr.validation import make_validate_fn  # noqa: E402
 
@@ -103,12 +103,14 @@ def round_options(config: FedFiOTConfig, uploads: H.Uploads, current: bool) -> d
 
 def run_sweep(fn: Any, uploads: H.Uploads, spec: Any, buffers: Any, config: FedFiOTConfig, validate: Any,
               current: bool = True, **speed: Any) -> tuple[Any, float, CountingValidator]:
-    """One ``merge_round`` (``fn``: the current one or a compared revision's) of ``config``'s sweep, timed."""
-    if current:  # the current merge_round takes its speed options as one MergeSpeed
-        fields = {f.name for f in dataclasses.fields(MergeSpeed)}
-        speed = {**{k: v for k, v in speed.items() if k not in fields},
-                 "speed": MergeSpeed(**{k: v for k, v in speed.items() if k in fields})}
+    """One sweep (``fn``: the current one or a compared revision's) of ``config``'s sweep, timed."""
     counter = (CountingScorer if hasattr(validate, "validate_bounded") else CountingValidator)(validate)
+    if current:  # the current sweep takes the configuration itself: no cap, the engine's speed defaults, ``speed``
+        plain = dataclasses.replace(config, fisher_cap=None, certify=False, cost_dtype="float64", lap_solver="scipy",
+                                    lap_threads=None, backend="numpy", **speed)
+        t0 = time.process_time()
+        out = fn(uploads.quantized, spec, plain, RoundContext(1, uploads.broadcast, tuple(buffers), counter))
+        return out, time.process_time() - t0, counter
     default = Candidate(config.rho, config.lam, config.reference, config.fisher_scaling)
     t0 = time.process_time()
     out = fn(uploads.quantized, spec, default, max_iters=config.max_iters, matching=config.matching,
@@ -139,7 +141,7 @@ def differing_trials(a: Any, b: Any, metric: str) -> int:
 DEVICE_FOLD = "fold on the device"
 """Variants scored by :func:`fedfiot_flwr.validation.make_validate_fn` rather than the harness' evaluator."""
 
-VARIANTS = {  # label -> options of the current merge_round (DEVICE_FOLD in the label: make_validate_fn)
+VARIANTS = {  # label -> options of the current sweep_candidates (FedFiOTConfig fields) (DEVICE_FOLD in the label: make_validate_fn)
     "float64": {},
     "certify": {"certify": True},
     "f32 + LAPJV + certify": {"cost_dtype": "float32", "lap_solver": "lapjv", "certify": True},
@@ -196,7 +198,7 @@ def main() -> None:
             for label, options in variants.items():
                 validate = (make_validate_fn(build(), ev.validation, device) if DEVICE_FOLD in label
                             else ev.validate)  # a fresh scorer: it orders its fold on its first model
-                runs[label] = run_sweep(merge_round, uploads, spec, buffers, config, validate, **options)
+                runs[label] = run_sweep(sweep_candidates, uploads, spec, buffers, config, validate, **options)
             row = {
                 "setting": f"{dataset} ({setting.model}) {init}", "params": sum(x.size for x in up.weights[0].values()),
                 "merge": t_merge, "old": t_old, "val_old": c_old.calls, "trials": len(old.trials),

@@ -12,7 +12,7 @@ The function it returns holds the loader's examples once as tensors on the devic
 in fixed chunks of ``chunk_size`` examples, hardest first: on its first call it orders the fold by
 that model's errors and per-example loss, once and for all (``hard_first``). Besides ``validate_fn(model)`` it offers
 ``validate_fn.validate_bounded(model, metric, threshold, maximize)``, which the sweep of
-:func:`fedfiot_flwr.server.selection.merge_round` uses to stop scoring a candidate as soon as it
+:func:`fedfiot_flwr.server.selection.sweep_candidates` uses to stop scoring a candidate as soon as it
 provably cannot beat ``threshold`` (an exact race: the chosen model and its metrics are those of a
 full scoring).
 """

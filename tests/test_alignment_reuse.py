@@ -128,7 +128,9 @@ def test_warm_start_from_a_fixed_point_stops_at_once_with_the_same_merge():
 
 
 def test_sweep_options_keep_the_choice_on_a_shared_initialisation():
-    from fedfiot_flwr.server.selection import Candidate, SweepGrid, merge_round
+    from fedfiot_flwr.server.config import FedFiOTConfig
+    from fedfiot_flwr.server.outcome import RoundContext
+    from fedfiot_flwr.server.selection import SweepGrid, sweep_candidates
     from fedfiot_flwr.server.uploads import CollectedUploads
 
     models, fishers, base = _clients(seed=5, noise=0.3)
@@ -140,11 +142,11 @@ def test_sweep_options_keep_the_choice_on_a_shared_initialisation():
         return {"accuracy": -sum(float(np.sum((model[n] - target[n]) ** 2)) for n in model)}
 
     grid = SweepGrid((0.3, 0.5, 0.7), (1e-3, 1e-4), ("largest", "broadcast"), ("none", "size"))
-    kwargs = dict(sweep=grid, validate=validate, fallback="validation", broadcast=base, server_round=2,
-                  fedavg_candidate=True)
-    exact = merge_round(uploads, SPEC, Candidate(0.5, 1e-4), **kwargs)
-    for options in ({"speed": MergeSpeed(certify=True)}, {"speed": MergeSpeed(certify=True), "warm_start": True}):
-        fast = merge_round(uploads, SPEC, Candidate(0.5, 1e-4), **kwargs, **options)
+    kwargs = dict(rho=0.5, lam=1e-4, sweep=grid, selection="validation", fedavg_candidate=True)
+    context = RoundContext(2, broadcast=base, validate=validate)
+    exact = sweep_candidates(uploads, SPEC, FedFiOTConfig(**kwargs), context, baseline=True)
+    for options in ({"certify": True}, {"certify": True, "warm_start": True}):
+        fast = sweep_candidates(uploads, SPEC, FedFiOTConfig(**kwargs, **options), context, baseline=True)
         assert (fast.candidate, fast.variant) == (exact.candidate, exact.variant)
         assert all(np.array_equal(fast.model[n], exact.model[n]) for n in exact.model)
         if "warm_start" not in options:  # exact: every trial scores the same

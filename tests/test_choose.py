@@ -8,6 +8,7 @@ refinement's candidates.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedfiot_flwr.choose import BestSoFar, beats, best_index, higher_is_better
-from fedfiot_flwr.server.selection import Candidate, SweepGrid, merge_round
+from fedfiot_flwr.server.config import FedFiOTConfig
+from fedfiot_flwr.server.outcome import RoundContext
+from fedfiot_flwr.server.selection import Candidate, SweepGrid, sweep_candidates
 from _fedfiot_helpers import WORKED_SPEC, worked_uploads
 
 NAN = math.nan
@@ -95,28 +98,29 @@ def test_best_index_is_the_first_best_number(scores: list[float], maximize: bool
 SPEC = WORKED_SPEC
 UPLOADS = worked_uploads()  # the paper's Appendix G: aligned J = 9 < identity J = 83
 DEFAULT = Candidate(rho=1.0, lam=1.0, reference=0)
+CONFIG = FedFiOTConfig(rho=1.0, lam=1.0, reference=0)
 GRID = SweepGrid(rhos=(0.5, 1.0), lams=(1.0, 0.1), references=("largest",))
 
 
 def test_the_sweep_keeps_the_default_on_a_tie_and_skips_nan_scores() -> None:
-    tie = merge_round(UPLOADS, SPEC, DEFAULT, sweep=GRID, validate=lambda m: {"accuracy": 0.5}, baseline=False)
+    tie = sweep_candidates(UPLOADS, SPEC, replace(CONFIG, sweep=GRID), RoundContext(1, validate=lambda m: {"accuracy": 0.5}))
     assert len(tie.trials) > 1 and tie.candidate == DEFAULT
 
     def nan_for_the_default(model: dict) -> dict[str, float]:
         # Only the default (rho = 1, lam = 1, reference 0) gives the aligned merge 0.5, 5.5, 8.5.
         return {"accuracy": NAN if np.allclose(model["w"].ravel(), [0.5, 5.5, 8.5]) else 0.1}
 
-    out = merge_round(UPLOADS, SPEC, DEFAULT, sweep=GRID, validate=nan_for_the_default, baseline=False)
+    out = sweep_candidates(UPLOADS, SPEC, replace(CONFIG, sweep=GRID), RoundContext(1, validate=nan_for_the_default))
     assert out.candidate != DEFAULT and out.validation == {"accuracy": 0.1}
 
 
 def test_fedavg_must_score_strictly_better_than_fedfiots_own_merge() -> None:
-    tie = merge_round(UPLOADS, SPEC, DEFAULT, fallback="validation", validate=lambda m: {"accuracy": 0.5},
-                      fedavg_candidate=True)
+    both = replace(CONFIG, selection="validation", fedavg_candidate=True)
+    tie = sweep_candidates(UPLOADS, SPEC, both, RoundContext(1, validate=lambda m: {"accuracy": 0.5}), baseline=True)
     assert tie.variant == "aligned"  # FedFiOT's own merge comes first: it keeps a tie
     fedavg = [2.5, 3.5, 7.5]
-    out = merge_round(UPLOADS, SPEC, DEFAULT, fallback="validation", fedavg_candidate=True,
-                      validate=lambda m: {"accuracy": 0.6 if np.allclose(m["w"].ravel(), fedavg) else 0.5})
+    out = sweep_candidates(UPLOADS, SPEC, both, RoundContext(
+        1, validate=lambda m: {"accuracy": 0.6 if np.allclose(m["w"].ravel(), fedavg) else 0.5}), baseline=True)
     assert out.variant == "fedavg"
 
 
@@ -126,8 +130,8 @@ def test_a_loss_metric_is_minimised_by_the_sweep() -> None:
     def loss(model: dict) -> dict[str, float]:
         return {"loss": float(np.sum((model["w"].ravel() - aligned) ** 2))}
 
-    out = merge_round(UPLOADS, SPEC, Candidate(rho=0.5, lam=0.1, reference=0), sweep=GRID, validate=loss,
-                      metric="loss", baseline=False)
+    config = FedFiOTConfig(rho=0.5, lam=0.1, reference=0, sweep=GRID, selection_metric="loss")
+    out = sweep_candidates(UPLOADS, SPEC, config, RoundContext(1, validate=loss))
     assert out.validation is not None and out.validation["loss"] == min(t["validation"]["loss"] for t in out.trials)
 
 

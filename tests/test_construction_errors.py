@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, FedFiOTLegacy, RefineOptions, RegMeanStrategy
-from fedfiot_flwr.server import MergeResult
+from fedfiot_flwr.server import RunResult
 from fedfiot_flwr.server.shell import arrays_to_numpy, numpy_to_arrays
 
 
@@ -78,7 +78,7 @@ def test_start_returns_flowers_result_with_the_aggregation_metrics_and_prints_th
     strategy = FedFiOT(model=Net(), config=FedFiOTConfig.paper(sweep=None), fraction_evaluate=0.0)
     with caplog.at_level(logging.INFO, logger="flwr"):
         result = strategy.start(grid=FakeGrid([1, 2], client_fn), initial_arrays=numpy_to_arrays(init), num_rounds=2)
-    assert isinstance(result, MergeResult) and set(result.aggregation_metrics_serverapp) == {1, 2}
+    assert isinstance(result, RunResult) and set(result.aggregation_metrics_serverapp) == {1, 2}
     assert result.aggregation_metrics_serverapp[2]["num-valid"] == 2
     assert isinstance(result.aggregation_metrics_serverapp[1]["inner-iterations"][0], int)
     assert "ServerApp-side Aggregation Metrics" in repr(result) and "kept-aligned" in repr(result)

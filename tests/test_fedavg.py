@@ -7,8 +7,10 @@ import pytest
 
 from fedfiot_flwr.baselines import size_weighted_average
 from fedfiot_flwr.merge import PermutationSpec, merge, method_options
-from fedfiot_flwr.server.aggregators import FedAvgAggregator, RoundContext
-from fedfiot_flwr.server.selection import Candidate, merge_round
+from fedfiot_flwr.server.aggregators import FedAvgAggregator
+from fedfiot_flwr.server.config import FedFiOTConfig
+from fedfiot_flwr.server.outcome import RoundContext
+from fedfiot_flwr.server.selection import sweep_candidates
 from fedfiot_flwr.server.uploads import CollectedUploads
 
 SPEC = PermutationSpec({"fc1.weight": ("P0", None), "fc1.bias": ("P0",), "bn.running_mean": ("P0",),
@@ -50,13 +52,13 @@ def test_the_engine_without_alignment_follows_the_same_integer_rule(counts: tupl
 def test_the_selections_fedavg_baseline_is_the_one_fedavg() -> None:
     uploads = _uploads()
     fedavg = size_weighted_average(uploads.weights, uploads.num_examples)
-    out = merge_round(uploads, SPEC, Candidate(0.5, 1e-4), buffers=BUFFERS, baseline=True)
+    out = sweep_candidates(uploads, SPEC, FedFiOTConfig(rho=0.5, lam=1e-4), RoundContext(1, buffers=BUFFERS), baseline=True)
     assert out.baseline_model is not None
     for name in fedavg:
         np.testing.assert_array_equal(out.baseline_model[name], fedavg[name])
-    won = merge_round(uploads, SPEC, Candidate(0.5, 1e-4), buffers=BUFFERS, fallback="validation",
-                      fedavg_candidate=True, validate=lambda m: {"accuracy": float(np.array_equal(
-                          m["fc1.weight"], fedavg["fc1.weight"]))})
+    validate = lambda m: {"accuracy": float(np.array_equal(m["fc1.weight"], fedavg["fc1.weight"]))}  # noqa: E731
+    won = sweep_candidates(uploads, SPEC, FedFiOTConfig(rho=0.5, lam=1e-4, selection="validation", fedavg_candidate=True),
+                           RoundContext(1, buffers=BUFFERS, validate=validate), baseline=True)
     assert won.variant == "fedavg"
     for name in fedavg:
         np.testing.assert_array_equal(won.model[name], fedavg[name])

@@ -173,13 +173,13 @@ def test_bad_thread_counts_are_rejected(bad: object) -> None:
 
 def test_the_config_carries_lap_threads_to_the_merge(monkeypatch) -> None:
     seen: list[object] = []
-    real = aggregators.merge_round
+    real = aggregators.sweep_candidates
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["speed"].lap_threads)
+        seen.append(args[2].speed.lap_threads)  # the configuration the aggregator passes down
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(aggregators, "merge_round", spy)
+    monkeypatch.setattr(aggregators, "sweep_candidates", spy)
     replies = [reply(1 + i, packed(w, f, n)) for i, (w, f, n) in enumerate(client_uploads(4, seed=3))]
     FedFiOT(spec=TINY_SPEC, config=FedFiOTConfig.paper(sweep=None, lap_threads=3)).aggregate_train(1, replies)
     FedFiOT(spec=TINY_SPEC, config=FedFiOTConfig.paper(sweep=None)).aggregate_train(1, replies)

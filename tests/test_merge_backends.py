@@ -225,7 +225,9 @@ def test_merge_engine_imports_and_runs_without_torch():
 
 
 def test_sweep_validates_each_distinct_model_once_and_chooses_as_separate_merges():
-    from fedfiot_flwr.server.selection import Candidate, SweepGrid, merge_round, model_digest
+    from fedfiot_flwr.server.config import FedFiOTConfig
+    from fedfiot_flwr.server.outcome import RoundContext
+    from fedfiot_flwr.server.selection import Candidate, SweepGrid, model_digest, sweep_candidates
     from fedfiot_flwr.server.uploads import CollectedUploads
 
     models, fishers = _clients(seed=6, shared=3.0)
@@ -240,8 +242,8 @@ def test_sweep_validates_each_distinct_model_once_and_chooses_as_separate_merges
 
     grid = SweepGrid((0.3, 0.7), (1e-3, 1e-5), ("largest", "broadcast"), ("none", "size"))
     default = Candidate(0.5, 1e-4)
-    out = merge_round(uploads, SPEC, default, sweep=grid, validate=validate, fallback="validation",
-                      broadcast=models[0], server_round=2, fedavg_candidate=True)
+    config = FedFiOTConfig(rho=0.5, lam=1e-4, sweep=grid, selection="validation", fedavg_candidate=True)
+    out = sweep_candidates(uploads, SPEC, config, RoundContext(2, broadcast=models[0], validate=validate), baseline=True)
     assert len(seen) == len(set(seen))  # no model validated twice
     assert len(seen) < len(out.trials) + 1  # trials (+ FedAvg) repeat models
     best = None

@@ -89,9 +89,9 @@ def test_fedfiot_with_refine_returns_the_refinement_of_its_merge() -> None:
     spec = spec_from_module(model)
     fit_loader, sel_loader = _folds(data)
     uploads = _uploads(replies)
-    outcome = FedFiOTAggregator(spec, strategy.fedfiot_config).merge(
+    outcome = FedFiOTAggregator(spec, strategy.fedfiot_config).aggregate(
         uploads, RoundContext(1, validate=make_validate_fn(Net(), sel_loader)))
-    perms = outcome.result.permutations if outcome.variant == "aligned" else None
+    perms = outcome.engine_result.permutations if outcome.variant == "aligned" else None
     expected, rep = refine_merged_model(outcome.model, uploads.weights, model, fit_loader, sel_loader, spec=spec,
                                         permutations=perms, num_examples=uploads.num_examples, options=QUICK,
                                         fishers=uploads.fishers)
@@ -108,7 +108,7 @@ def test_fedfiot_with_refine_returns_the_refinement_of_its_merge() -> None:
     server = strategy.server_metrics[1]
     assert server["selection-fold-accuracy"] == pytest.approx(rep.selection_accuracy[rep.chosen])
     assert server["val-accuracy"] == pytest.approx(rep.selection_accuracy[rep.chosen])
-    _assert_equal(strategy.last_round.outcome.alternatives["unrefined"], outcome.model)
+    _assert_equal(strategy.last_round.alternatives["unrefined"], outcome.model)
 
 
 def test_server_data_without_refine_fits_nothing() -> None:
@@ -118,7 +118,7 @@ def test_server_data_without_refine_fits_nothing() -> None:
     replies = _replies()
     got = arrays_to_numpy(strategy.aggregate_train(1, replies)[0])
     validate = make_validate_fn(Net(), DataLoader(data, batch_size=500))
-    outcome = FedFiOTAggregator(spec_from_module(Net()), strategy.fedfiot_config).merge(
+    outcome = FedFiOTAggregator(spec_from_module(Net()), strategy.fedfiot_config).aggregate(
         _uploads(replies), RoundContext(1, validate=validate))
     _assert_equal(got, outcome.model)
     assert "post_merge" not in strategy.reports[0]
@@ -137,7 +137,7 @@ def test_the_same_stage_runs_after_fedavg_and_after_the_fedavg_it_is_compared_wi
     # FedFiOT's round reports FedAvg of the same uploads given the same stage.
     fedfiot = FedFiOT(model=Net(), server_data=data, config=_default(), refine=QUICK)
     fedfiot.aggregate_train(1, replies)
-    _assert_equal(fedfiot.last_round.outcome.alternatives["fedavg"], expected)
+    _assert_equal(fedfiot.last_round.alternatives["fedavg"], expected)
 
 
 def test_the_same_stage_runs_after_regmean() -> None:

@@ -19,7 +19,8 @@ from fedfiot_flwr.merge.robust import (
     weight_shares,
 )
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE, fisher_bound_for
-from fedfiot_flwr.server.selection import Candidate, merge_round
+from fedfiot_flwr.server.outcome import RoundContext
+from fedfiot_flwr.server.selection import sweep_candidates
 from fedfiot_flwr.server.shell import arrays_to_numpy
 from fedfiot_flwr.server.uploads import collect_uploads
 
@@ -168,7 +169,8 @@ def _float32_max_round(seed: int, attacker: int):  # noqa: ANN202
 
 def _merged(up, cap: float | None, **options: object) -> dict[str, np.ndarray]:  # noqa: ANN001
     # rho = 1: the tempered Fisher stays at float32's maximum unless it is capped
-    return merge_round(up, SPEC, Candidate(1.0, 1e-4), max_iters=2, baseline=False, fisher_cap=cap, **options).model
+    config = FedFiOTConfig(rho=1.0, lam=1e-4, max_iters=2, fisher_cap=cap, **options)
+    return sweep_candidates(up, SPEC, config, RoundContext(1)).model
 
 
 @pytest.mark.parametrize(("rule", "factor"), [("outliers", DEFAULT_FISHER_CAP), ("median", 1.0)])
@@ -196,13 +198,13 @@ def test_an_aligned_merge_with_a_float32_max_fisher_client_is_finite_in_every_pr
 ) -> None:
     _, _, attacked_up = _float32_max_round(7, 2)
     reference = _merged(attacked_up, DEFAULT_FISHER_CAP)  # float64 costs, NumPy
-    capped = _merged(attacked_up, DEFAULT_FISHER_CAP, speed=MergeSpeed(cost_dtype=cost_dtype, backend=backend))
+    capped = _merged(attacked_up, DEFAULT_FISHER_CAP, cost_dtype=cost_dtype, backend=backend)
     for name, value in capped.items():
         assert np.all(np.isfinite(value)), name
         np.testing.assert_allclose(value, reference[name], rtol=1e-5, atol=1e-6, err_msg=name)
     # without the cap (a direct merge call; a server without the cap excludes the reply) float32
     # costs still do not overflow
-    uncapped = _merged(attacked_up, None, speed=MergeSpeed(cost_dtype=cost_dtype, backend=backend))
+    uncapped = _merged(attacked_up, None, cost_dtype=cost_dtype, backend=backend)
     assert all(np.all(np.isfinite(v)) for v in uncapped.values())
 
 

@@ -9,7 +9,8 @@ from _fedfiot_helpers import SHAPES, SPEC, client_uploads, packed
 
 from fedfiot_flwr import FedFiOTConfig, SweepGrid
 from fedfiot_flwr.server.aggregators import FedFiOTAggregator, RoundContext
-from fedfiot_flwr.server.selection import Candidate, MergeOutcome
+from fedfiot_flwr.server.outcome import RoundOutcome
+from fedfiot_flwr.server.selection import Candidate
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads
 
 GRID = SweepGrid(rhos=(0.3, 0.7), lams=(1e-4,), references=("largest", "broadcast"))
@@ -34,10 +35,10 @@ def _validate(target: dict[str, np.ndarray]):  # noqa: ANN202
     return validate
 
 
-def _merge(config: FedFiOTConfig, server_round: int, uploads: CollectedUploads) -> MergeOutcome:
+def _merge(config: FedFiOTConfig, server_round: int, uploads: CollectedUploads) -> RoundOutcome:
     broadcast = _broadcast(uploads)
     context = RoundContext(server_round, broadcast=broadcast, validate=_validate(broadcast))
-    return FedFiOTAggregator(SPEC, config).merge(uploads, context)
+    return FedFiOTAggregator(SPEC, config).aggregate(uploads, context)
 
 
 def test_the_sweep_keeps_the_broadcast_reference_in_round_one_only_when_asked() -> None:
@@ -79,7 +80,7 @@ def test_aggregate_reports_the_aggregators_merge() -> None:
     broadcast = _broadcast(uploads)
     context = RoundContext(1, broadcast=broadcast, validate=_validate(broadcast))
     aggregator = FedFiOTAggregator(SPEC, config)
-    merged, reported = aggregator.merge(uploads, context), aggregator.aggregate(uploads, context)
+    merged, reported = aggregator.aggregate(uploads, context), aggregator.aggregate(uploads, context)
     for k in SHAPES:
         np.testing.assert_array_equal(merged.model[k], reported.model[k])
     cand = merged.candidate
@@ -88,4 +89,4 @@ def test_aggregate_reports_the_aggregators_merge() -> None:
     untimed = [[{k: v for k, v in t.items() if k != "merge_seconds"} for t in trials]
                for trials in (reported.record["trials"], merged.trials)]
     assert untimed[0] == untimed[1] and len(merged.trials) > 1
-    assert reported.metrics["alignment-moved-fraction"] == pytest.approx(list(merged.result.fraction_permuted))
+    assert reported.metrics["alignment-moved-fraction"] == pytest.approx(list(merged.engine_result.fraction_permuted))

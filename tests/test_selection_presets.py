@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture (the strategy tests send messages)
@@ -12,13 +14,14 @@ from fedfiot_flwr import FedFiOT
 from fedfiot_flwr.merge import merge
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.selection import Candidate, MergeOutcome, merge_round
+from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome
+from fedfiot_flwr.server.selection import sweep_candidates
 from fedfiot_flwr.server.shell import ValidateFn, arrays_to_numpy
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads
 
 SPEC = WORKED_SPEC
 UPLOADS = worked_uploads()  # the paper's Appendix G: aligned J = 9 < identity J = 83
-DEFAULT = Candidate(rho=1.0, lam=1.0, reference=0)
+DEFAULT = FedFiOTConfig(rho=1.0, lam=1.0, reference=0)
 ALIGNED = [0.5, 5.5, 8.5]
 IDENTITY = [2.5, 3.0, 7.0]
 FEDAVG = [2.5, 3.5, 7.5]  # weighted 3:1 by size
@@ -31,7 +34,8 @@ def closest_to(target):
 
 
 def run(fallback, target, **kw):
-    return merge_round(UPLOADS, SPEC, DEFAULT, fallback=fallback, validate=closest_to(target), baseline=False, **kw)
+    config = replace(DEFAULT, selection=fallback, **kw)
+    return sweep_candidates(UPLOADS, SPEC, config, RoundContext(1, validate=closest_to(target)))
 
 
 def test_paper_rule_keeps_the_aligned_merge_whatever_validation_says():
@@ -42,7 +46,7 @@ def test_paper_rule_keeps_the_aligned_merge_whatever_validation_says():
 
 def test_validation_fallback_follows_validation_where_the_objective_disagrees():
     out = run("validation", IDENTITY)
-    assert out.result.aligned_objective < out.result.identity_objective  # the objective prefers aligned ...
+    assert out.engine_result.aligned_objective < out.engine_result.identity_objective  # the objective prefers aligned ...
     assert out.variant == "identity"  # ... validation prefers identity, and wins
     np.testing.assert_allclose(out.model["w"].ravel(), IDENTITY)
     assert {t["variant"] for t in out.trials} == {"aligned", "identity"}
@@ -101,19 +105,20 @@ def test_the_paper_preset_keeps_the_aligned_merge_whatever_validation_says(prefe
     strategy, _ = _strategy_round(FedFiOTConfig.paper(), closest_to(preferred))
     trials = strategy.reports[0]["trials"]
     assert len(trials) > 1 and all(t["variant"] == "aligned" and t["paper_rule_aligned"] for t in trials)
-    assert strategy.last_round.outcome.chosen["variant"] == "aligned" and "fedavg-won" not in strategy.server_metrics[1]
+    assert strategy.last_round.chosen["variant"] == "aligned" and "fedavg-won" not in strategy.server_metrics[1]
 
 
 def test_the_default_preset_offers_the_size_scaled_fisher_and_the_paper_preset_does_not() -> None:
     def aligned(fisher_scaling: str) -> np.ndarray:
-        return merge_round(_decoded(), SPEC, Candidate(0.5, 1e-4, "largest", fisher_scaling), fallback="none",
-                           fisher_cap=DEFAULT_FISHER_CAP, baseline=False).model["w"].ravel()
+        config = FedFiOTConfig(rho=0.5, lam=1e-4, fisher_scaling=fisher_scaling, selection="none",
+                               fisher_cap=DEFAULT_FISHER_CAP)
+        return sweep_candidates(_decoded(), SPEC, config, RoundContext(1)).model["w"].ravel()
 
     target = aligned("size")
     assert not np.allclose(target, aligned("none"), rtol=1e-6, atol=0)  # the scaling changes the merge
     strategy, got = _strategy_round(FedFiOTConfig.default(), closest_to(target))
     np.testing.assert_allclose(got, target, rtol=1e-6)
-    assert strategy.last_round.outcome.chosen["fisher_scaling"] == "size"
+    assert strategy.last_round.chosen["fisher_scaling"] == "size"
     best = [t for t in strategy.reports[0]["trials"] if t["validation"]["accuracy"] == 0.0]
     assert [t["fisher_scaling"] for t in best] == ["size"]  # no unscaled candidate merges to it
     # The paper's grid never shows validation a size-scaled merge.
@@ -125,9 +130,10 @@ def test_the_default_preset_offers_the_size_scaled_fisher_and_the_paper_preset_d
 
 @pytest.mark.parametrize("preset", ["default", "paper"])
 def test_without_validation_a_preset_merges_once_with_its_own_knobs_and_the_papers_rule(preset: str) -> None:
-    def expected(rho: float) -> MergeOutcome:
-        return merge_round(_decoded(), SPEC, Candidate(rho, 1e-4, "largest", "none"), fallback="objective",
-                           fisher_cap=DEFAULT_FISHER_CAP if preset == "default" else None, baseline=False)
+    def expected(rho: float) -> RoundOutcome:
+        config = FedFiOTConfig(rho=rho, lam=1e-4, selection="objective",
+                               fisher_cap=DEFAULT_FISHER_CAP if preset == "default" else None)
+        return sweep_candidates(_decoded(), SPEC, config, RoundContext(1))
 
     strategy, got = _strategy_round(FedFiOTConfig.named(preset, rho=0.3))
     want = expected(0.3)
@@ -135,7 +141,7 @@ def test_without_validation_a_preset_merges_once_with_its_own_knobs_and_the_pape
     np.testing.assert_allclose(got, want.model["w"].ravel(), rtol=1e-6)
     server = strategy.server_metrics[1]
     assert server["num-trials"] == 1 and "fedavg-won" not in server and "val-accuracy" not in server
-    assert server["kept-aligned"] == server["paper-rule-aligned"] == int(want.result.aligned)
+    assert server["kept-aligned"] == server["paper-rule-aligned"] == int(want.engine_result.aligned)
 
 
 def test_an_unknown_configuration_name_is_refused() -> None:

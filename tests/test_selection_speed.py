@@ -12,8 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedfiot_flwr.batches import evaluate
-from fedfiot_flwr.merge import MergeSpeed, mlp_spec
-from fedfiot_flwr.server.selection import Candidate, SweepGrid, merge_round
+from fedfiot_flwr.merge import mlp_spec
+from fedfiot_flwr.server.config import FedFiOTConfig
+from fedfiot_flwr.server.outcome import RoundContext
+from fedfiot_flwr.server.selection import SweepGrid, sweep_candidates
 from fedfiot_flwr.server.uploads import CollectedUploads
 from fedfiot_flwr.validation import make_validate_fn
 
@@ -58,9 +60,9 @@ def _round(seed: int) -> tuple[CollectedUploads, dict[str, np.ndarray], DataLoad
 def _sweep(uploads: CollectedUploads, base: dict[str, np.ndarray], validate: object, metric: str,
            race: bool = True, fallback: str = "validation"):  # noqa: ANN202
     """The default preset's sweep (or the paper's identity rule, ``fallback="objective"``, without FedAvg)."""
-    return merge_round(uploads, SPEC, Candidate(0.5, 1e-4), sweep=GRID, validate=validate, metric=metric,
-                       fallback=fallback, broadcast=base, server_round=2, fedavg_candidate=fallback == "validation",
-                       speed=MergeSpeed(certify=True), race=race)
+    config = FedFiOTConfig(rho=0.5, lam=1e-4, sweep=GRID, selection_metric=metric, selection=fallback,
+                           fedavg_candidate=fallback == "validation", certify=True, race=race)
+    return sweep_candidates(uploads, SPEC, config, RoundContext(2, broadcast=base, validate=validate), baseline=True)
 
 
 def _same_choice(a, b) -> bool:  # noqa: ANN001

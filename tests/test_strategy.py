@@ -177,7 +177,7 @@ def test_validation_selection_prefers_the_identity_merge_when_it_validates_bette
     for k in SHAPES:
         np.testing.assert_allclose(got[k], ident[k], rtol=1e-6)
     assert strategy.server_metrics[1]["kept-aligned"] == 0
-    assert strategy.last_round is not None and strategy.last_round.outcome.chosen["variant"] == "identity"
+    assert strategy.last_round is not None and strategy.last_round.chosen["variant"] == "identity"
 
 
 def test_defaults_equal_fedavgs_for_every_fedavg_option() -> None:
@@ -238,14 +238,14 @@ def test_the_speed_options_reach_the_merge_and_certify_leaves_the_model_unchange
     from fedfiot_flwr.server import aggregators
 
     seen: list[dict] = []
-    real = aggregators.merge_round
+    real = aggregators.sweep_candidates
 
     def spy(*args, **kwargs):
-        speed = kwargs["speed"]
+        speed = args[2].speed  # the configuration the aggregator passes down
         seen.append({k: getattr(speed, k) for k in ("certify", "cost_dtype", "lap_solver")})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(aggregators, "merge_round", spy)
+    monkeypatch.setattr(aggregators, "sweep_candidates", spy)
     replies = _replies(client_uploads(4, seed=3))
     models = []
     for certify in (True, False):
@@ -443,4 +443,4 @@ def test_a_batchnorm_model_goes_through_several_rounds_and_the_bn_hook_runs() ->
     assert result.arrays["1.num_batches_tracked"].numpy().shape == ()
     assert np.all(result.arrays["1.running_var"].numpy() == 1.0)
     # Each round: once for the round's model, once for FedAvg of the same uploads (compared on the same terms).
-    assert len(calls) == 6 and np.all(strategy.last_round.outcome.alternatives["fedavg"]["1.running_var"] == 1.0)
+    assert len(calls) == 6 and np.all(strategy.last_round.alternatives["fedavg"]["1.running_var"] == 1.0)

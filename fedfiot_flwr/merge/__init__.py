@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .costs import aggregate, euclidean_cost_matrix, fisher_cost_matrix
     from .engine import FISHER_SCALINGS, MergeResult, PermutationReport, damp_fisher, merge, scale_fishers
     from .lap import LAP_SOLVERS, assign
+    from .options import MergeOptions
     from .prepared import PreparedClients, prepare_clients
     from .presets import METHODS, method_options
     from .spec import (
@@ -47,6 +48,7 @@ _WHERE = {
     **dict.fromkeys(("LAP_SOLVERS", "assign"), "lap"),
     **dict.fromkeys(("METHODS", "method_options"), "presets"),
     **dict.fromkeys(("PreparedClients", "prepare_clients"), "prepared"),
+    "MergeOptions": "options",
     "MergeSpeed": "speed",
     **dict.fromkeys(("AxisPerm", "Layer", "PermutationSpec", "apply_permutations", "chain_spec", "cnn_spec",
                      "invert_permutation", "mlp_spec"), "spec"),
@@ -60,6 +62,7 @@ __all__ = [
     "LAP_SOLVERS",
     "Layer",
     "METHODS",
+    "MergeOptions",
     "MergeResult",
     "MergeSpeed",
     "PermutationReport",

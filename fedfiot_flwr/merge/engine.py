@@ -37,7 +37,8 @@ from .prepared import FISHER_SCALINGS, PreparedClients, as_prepared, fisher_scal
 from .reuse import AlignmentMemo, AlignmentTail, permutations_digest
 from .spec import PermutationSpec, permute_tensor
 from .speed import MergeSpeed
-from .validate import check_options, check_reference_model
+from .options import MergeOptions
+from .validate import check_reference_model
 
 
 
@@ -206,10 +207,8 @@ def _align_permutation(
     clients: ClientLayers,
     ref_layer: np.ndarray,
     *,
-    matching: str,
-    aggregation: str,
+    options: MergeOptions,
     sizes: Sequence[float] | None,
-    max_iters: int,
     speed: MergeSpeed,
     ref_client: int | None = None,
     start: Sequence[np.ndarray] | None = None,
@@ -217,31 +216,23 @@ def _align_permutation(
     memo_key: tuple | None = None,
 ) -> tuple[list[np.ndarray], PermutationReport]:
     """Alternating minimisation for one permutation (Algorithm 1's inner loop): for each
-    iteration, build every client's cost matrix against ``w``, assign exactly, aggregate.
+    iteration, build every client's cost matrix against ``w``, assign exactly, aggregate
+    (``options.matching``, ``options.aggregation``, at most ``options.max_iters`` iterations).
 
-    With ``speed.certify``, each client's assignment is first tried from a hint (its previous
-    assignment; the identity in iteration 1) and the solver runs only when the hint is not
-    certified optimal (:mod:`fedfiot_flwr.merge.certify`); and in iteration 1 the reference
-    client ``ref_client`` (whose layer is ``w``) keeps the identity without a cost matrix when
-    none of its neurons repeats (zero cost on the diagonal, positive elsewhere).
-
-    With ``start`` (per-client permutations), the loop starts from the merge of the clients
-    aligned by ``start`` instead of the reference layer (a warm start) and stops at once when
-    ``start`` is already a fixed point.
-
-    With ``memo`` (and ``memo_key`` naming the layer's data and options), a cold start looks up
-    its first iteration's assignment: when another merge reached the same one, the remaining
-    iterations are taken from it (bit-identical: they depend on nothing else).
-
-    Within an iteration the clients' assignment problems are independent given ``w``: with
-    ``speed.lap_threads`` resolving to more than one thread (:func:`~fedfiot_flwr.merge.parallel.lap_workers`)
-    they are solved in a thread pool while the next cost matrix is built, and handed back in
-    client order (:func:`~fedfiot_flwr.merge.parallel.solve_in_order`): bit-identical.
+    With ``speed.certify``, each assignment is first tried from a hint (the previous one; the
+    identity in iteration 1) and solved only when the hint is not certified optimal
+    (:mod:`fedfiot_flwr.merge.certify`); in iteration 1 the reference client ``ref_client``
+    keeps the identity without a cost matrix when none of its neurons repeats.
+    With ``start`` (per-client permutations) the loop starts from the clients aligned by it (a
+    warm start) and stops at once when it is a fixed point. With ``memo`` (and ``memo_key``), a
+    cold start whose first assignment another merge reached takes the remaining iterations from
+    it (bit-identical). With more than one ``speed.lap_threads`` the clients' independent
+    problems are solved in a thread pool and handed back in client order: bit-identical.
     """
+    matching, aggregation = options.matching, options.aggregation
     workers = lap_workers(speed.lap_threads, size, clients.n_clients, speed.lap_solver)
     with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
         identity = np.arange(size)
-        rows = np.arange(size)
         w = ref_layer
         report = PermutationReport(size, 0, float("nan"))
         current = [identity] * clients.n_clients
@@ -263,22 +254,15 @@ def _align_permutation(
         if start is not None:
             current = [np.asarray(p, dtype=np.int64) for p in start]
             w = global_layer(current, *clients.moments(current))
-        for s in range(1, max_iters + 1):
+        for s in range(1, options.max_iters + 1):
             report.iterations = s
             skip: set[int] = set()
             if (speed.certify and s == 1 and start is None and ref_client is not None and matching == "fisher"
                     and _distinct_rows(ref_layer)):
                 skip = {ref_client}
             if matching == "fisher":
-                new, chosen, diagonal = [], 0.0, 0.0
-                for cost, p in solve_in_order(clients.fisher_costs(w, skip), current, solve, pool, workers):
-                    if cost is None:  # the reference against itself: the identity, at zero cost
-                        new.append(identity)
-                        continue
-                    new.append(p)
-                    # J(w, pi) is the sum of the chosen Fisher costs: no second pass over the weights.
-                    chosen += float(cost[rows, new[-1]].sum())
-                    diagonal += float(np.trace(cost))
+                new, chosen, diagonal = _fisher_step(solve_in_order(clients.fisher_costs(w, skip), current, solve,
+                                                                    pool, workers), identity)
                 if s == 1:  # J(w[0], I): the identity alignments' costs
                     report.initial_objective = diagonal
             else:
@@ -314,6 +298,20 @@ def _align_permutation(
                                               report.alignment_objectives[1:], report.objectives[1:]))
         report.fraction_permuted = [float(np.mean(p != identity)) for p in current]
         return current, report
+
+
+def _fisher_step(solved: Any, identity: np.ndarray) -> tuple[list[np.ndarray], float, float]:
+    """Each client's new assignment with ``J(w, pi)`` (the sum of the chosen Fisher costs: no second
+    pass over the weights) and ``J(w, I)`` (the diagonals), from ``(cost, assignment)`` pairs."""
+    new, chosen, diagonal = [], 0.0, 0.0
+    for cost, p in solved:
+        if cost is None:  # the reference against itself: the identity, at zero cost
+            new.append(identity)
+            continue
+        new.append(p)
+        chosen += float(cost[identity, p].sum())
+        diagonal += float(np.trace(cost))
+    return new, chosen, diagonal
 
 
 def _distinct_rows(layer: np.ndarray) -> bool:
@@ -475,7 +473,7 @@ def merge(
     ([0.5, 5.5, 8.5], 9.0, [1, 2, 0])
     """
     start = time.perf_counter()
-    check_options(lam, rho, max_iters, matching, aggregation, fallback)
+    options = MergeOptions(lam, rho, max_iters, reference, matching, aggregation, fallback, fisher_scaling)
     speed = MergeSpeed() if speed is None else speed
     if not isinstance(speed, MergeSpeed):
         raise TypeError(f"speed must be a MergeSpeed, got {type(speed).__name__}")
@@ -524,7 +522,7 @@ def merge(
                     permutations_digest(perms))
         found, reports[perm] = _align_permutation(
             m, layer, ref_layer,
-            matching=matching, aggregation=aggregation, sizes=sizes, max_iters=max_iters, speed=speed,
+            options=options, sizes=sizes, speed=speed,
             ref_client=ref_index, start=None if initial_perms is None else initial_perms.get(perm),
             memo=clients.alignments, memo_key=memo_key,
         )

@@ -7,24 +7,22 @@ Nothing here imports client code.
 """
 
 from fedfiot_flwr.server.aggregators import (
-    AggregateOutcome,
     Aggregator,
     FedAvgAggregator,
     FedFiOTAggregator,
     FedFisherAggregator,
     RegMeanAggregator,
-    RoundContext,
 )
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.legacy import FedFiOTLegacy
+from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome
 from fedfiot_flwr.server.recorder import RunRecorder
-from fedfiot_flwr.server.selection import Candidate, MergeOutcome, SweepGrid, merge_round
-from fedfiot_flwr.server.shell import MergeResult, MergeStrategy
+from fedfiot_flwr.server.selection import Candidate, SweepGrid, sweep_candidates
+from fedfiot_flwr.server.shell import MergeStrategy, RunResult
 from fedfiot_flwr.server.strategies import FedFiOT, FedFisherStrategy, RegMeanStrategy
 from fedfiot_flwr.server.uploads import CollectedUploads, Rejection, collect_uploads
 
 __all__ = [
-    "AggregateOutcome",
     "Aggregator",
     "Candidate",
     "CollectedUploads",
@@ -35,15 +33,15 @@ __all__ = [
     "FedFiOTLegacy",
     "FedFisherAggregator",
     "FedFisherStrategy",
-    "MergeOutcome",
-    "MergeResult",
     "MergeStrategy",
     "RegMeanAggregator",
     "RegMeanStrategy",
     "Rejection",
     "RoundContext",
+    "RoundOutcome",
     "RunRecorder",
+    "RunResult",
     "SweepGrid",
     "collect_uploads",
-    "merge_round",
+    "sweep_candidates",
 ]

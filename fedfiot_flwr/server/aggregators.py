@@ -2,7 +2,7 @@
 
 An :class:`Aggregator` names the reply it needs (``reply_kind``, see
 :func:`fedfiot_flwr.wire.decode_reply`) and turns :class:`~fedfiot_flwr.server.uploads.CollectedUploads`
-into an :class:`AggregateOutcome`. The Flower strategies (:mod:`fedfiot_flwr.server.shell`,
+into a :class:`~fedfiot_flwr.server.outcome.RoundOutcome`. The Flower strategies (:mod:`fedfiot_flwr.server.shell`,
 :mod:`fedfiot_flwr.server.legacy`) do the sampling, decoding and bookkeeping around it; the merge
 maths lives below (:mod:`fedfiot_flwr.merge`, :mod:`fedfiot_flwr.baselines`).
 
@@ -16,7 +16,7 @@ maths lives below (:mod:`fedfiot_flwr.merge`, :mod:`fedfiot_flwr.baselines`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,84 +26,21 @@ from fedfiot_flwr.choose import higher_is_better
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.reply_limits import fisher_bound_for
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.selection import Candidate, MergeOutcome, merge_round
+from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome, ValidateFn
+from fedfiot_flwr.server.selection import sweep_candidates
 from fedfiot_flwr.server.uploads import CollectedUploads
-from fedfiot_flwr.options import FEDFISHER_VARIANTS, SERVER_FISHER_KINDS, alignment_kept
+from fedfiot_flwr.options import FEDFISHER_VARIANTS, SERVER_FISHER_KINDS
 from fedfiot_flwr.options import Model
 
 __all__ = [
-    "AggregateOutcome",
     "Aggregator",
     "FedAvgAggregator",
     "FedFiOTAggregator",
     "FedFisherAggregator",
     "RegMeanAggregator",
     "RoundContext",
+    "RoundOutcome",
 ]
-
-Validate = Callable[[Model], Mapping[str, float] | None]
-
-
-
-@dataclass(frozen=True)
-class RoundContext:
-    """What an aggregator may use besides the uploads.
-
-    Attributes
-    ----------
-    server_round : int
-        Current round (1-based).
-    broadcast : dict or None
-        The global model sent this round.
-    buffers : tuple of str
-        State-dict entries without a Fisher.
-    validate : callable or None
-        ``model dict -> metrics`` on the server's validation data.
-    """
-
-    server_round: int
-    broadcast: Model | None = None
-    buffers: tuple[str, ...] = ()
-    validate: Validate | None = None
-
-
-@dataclass
-class AggregateOutcome:
-    """What an aggregator returns.
-
-    Attributes
-    ----------
-    model : dict[str, np.ndarray]
-        The new global model.
-    chosen : dict
-        The knobs selection settled on (JSON-ready).
-    metrics : dict
-        Server-side diagnostics: numbers and lists of numbers (a MetricRecord's values).
-    record : dict
-        Further JSON-ready details for the results file.
-    validation : dict[str, float] or None
-        Validation metrics of ``model`` when the aggregator computed them.
-    alternatives : dict[str, dict[str, np.ndarray]]
-        Other models worth evaluating next to ``model`` (``"fedavg"``: FedAvg of the same uploads;
-        ``"fedfiot-own"``: FedFiOT's own merge when FedAvg won the validation choice).
-    alternative_validation : dict[str, dict[str, float]]
-        Validation metrics of the alternatives, where computed.
-    seconds : float
-        Wall time of the aggregation including selection.
-    permutations : dict or None
-        How the aggregator aligned each client to ``model``'s neuron order (``perm -> one array
-        per client``, in upload order); ``None`` when the clients were merged as they are.
-    """
-
-    model: Model
-    chosen: dict[str, Any]
-    metrics: dict[str, Any] = field(default_factory=dict)
-    record: dict[str, Any] = field(default_factory=dict)
-    validation: dict[str, float] | None = None
-    alternatives: dict[str, Model] = field(default_factory=dict)
-    alternative_validation: dict[str, dict[str, float]] = field(default_factory=dict)
-    seconds: float = 0.0
-    permutations: dict[str, list[np.ndarray]] | None = None
 
 
 class Aggregator(Protocol):
@@ -121,7 +58,7 @@ class Aggregator(Protocol):
         """What the aggregator does each round, in plain words, with or without validation data."""
         ...
 
-    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
         """Merge the round's valid uploads (at least one).
 
         ``uploads`` is what :func:`~fedfiot_flwr.server.uploads.collect_uploads` returns: every
@@ -136,7 +73,7 @@ def _scalars(metrics: Mapping[str, Any] | None) -> dict[str, float] | None:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
 
 
-def _score_fn(validate: Validate | None, metric: str) -> Callable[[Model], float] | None:
+def _score_fn(validate: ValidateFn | None, metric: str) -> Callable[[Model], float] | None:
     """``model -> score`` (higher is better) from a ``validate`` function, or None."""
     if validate is None:
         return None
@@ -189,97 +126,10 @@ class FedFiOTAggregator:
         """Largest Fisher entry a reply may carry (``None``: any finite one, which the robust cap neutralises)."""
         return fisher_bound_for(self.settings.fisher_cap)
 
-    def merge(self, uploads: CollectedUploads, context: RoundContext) -> MergeOutcome:
-        """The round's merge and selection with this configuration, everything it tried included.
-
-        :func:`~fedfiot_flwr.server.selection.merge_round` with the configuration's options;
-        :meth:`aggregate` reports its outcome.
-
-        Parameters
-        ----------
-        uploads : CollectedUploads
-            The round's valid uploads.
-        context : RoundContext
-            Round number, broadcast model, buffers and validation function.
-
-        Returns
-        -------
-        MergeOutcome
-        """
-        cfg = self.settings
-        validate = context.validate
-        return merge_round(
-            uploads,
-            self.spec,
-            Candidate(float(cfg.rho), float(cfg.lam), cfg.reference, cfg.fisher_scaling),
-            max_iters=cfg.max_iters,
-            matching=cfg.matching,
-            aggregation=cfg.aggregation,
-            fallback=cfg.selection,
-            buffers=context.buffers,
-            broadcast=context.broadcast,
-            server_round=context.server_round,
-            sweep=cfg.sweep if validate is not None else None,
-            validate=validate,
-            metric=cfg.selection_metric,
-            baseline=cfg.fedavg_candidate and validate is not None,
-            fedavg_candidate=cfg.fedavg_candidate,
-            fisher_cap=cfg.fisher_cap,
-            fisher_cap_rule=cfg.fisher_cap_rule,
-            speed=cfg.speed,
-            broadcast_in_round_one=cfg.broadcast_in_round_one,
-        )
-
-    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
-        """Merge (and select on validation data when the configuration asks for it)."""
-        cfg = self.settings
-        validate = context.validate
-        outcome = self.merge(uploads, context)
-        res, cand = outcome.result, outcome.candidate
-        iters = [int(r.iterations) for r in res.reports.values()]
-        moved = [float(x) for x in res.fraction_permuted]
-        fedavg_won = outcome.variant == "fedavg"
-        metrics: dict[str, Any] = {
-            "objective-aligned": float(res.aligned_objective),
-            "objective-identity": float(res.identity_objective),
-            "kept-aligned": outcome.variant == "aligned",
-            "paper-rule-aligned": alignment_kept(res.aligned_objective, res.identity_objective),
-            "alignment-moved-fraction": moved,
-            "inner-iterations": iters,
-            "rho": float(cand.rho),
-            "lam": float(cand.lam),
-            "merge-seconds": float(res.seconds),
-            "num-trials": len(outcome.trials),
-        }
-        if cfg.fedavg_candidate and validate is not None:
-            metrics["fedavg-won"] = fedavg_won
-        record = {
-            "objective_aligned": res.aligned_objective,
-            "objective_identity": res.identity_objective,
-            "kept": outcome.variant,
-            "fedavg_won": fedavg_won,
-            "own_variant": outcome.own_variant,
-            "own_validation": outcome.own_validation,
-            "inner_iterations": {p: r.iterations for p, r in res.reports.items()},
-            "alignment_moved_fraction": dict(zip(uploads.client_ids, moved)),
-            "num_trials": len(outcome.trials),
-            "trials": outcome.trials,
-        }
-        alternatives: dict[str, Model] = {}
-        alt_val: dict[str, dict[str, float]] = {}
-        if outcome.baseline_model is not None:
-            alternatives["fedavg"] = outcome.baseline_model
-            if outcome.baseline_validation is not None:
-                alt_val["fedavg"] = dict(outcome.baseline_validation)
-        if fedavg_won and outcome.own_model is not None:
-            alternatives["fedfiot-own"] = outcome.own_model
-            if outcome.own_validation is not None:
-                alt_val["fedfiot-own"] = dict(outcome.own_validation)
-        chosen = {"rho": cand.rho, "lam": cand.lam, "reference": cand.reference,
-                  "fisher_scaling": cand.fisher_scaling, "variant": outcome.variant}
-        perms = {p: list(v) for p, v in res.permutations.items()} if outcome.variant == "aligned" else None
-        return AggregateOutcome(outcome.model, chosen, metrics, record, outcome.validation, alternatives, alt_val,
-                                outcome.seconds, perms)
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
+        """The candidate sweep with this configuration (:func:`~fedfiot_flwr.server.selection.sweep_candidates`):
+        the round's merge, selected on validation data when the configuration asks for it."""
+        return sweep_candidates(uploads, self.spec, self.settings, context)
 
 
 def describe_fedfiot_choice(chosen: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
@@ -316,9 +166,9 @@ class FedAvgAggregator:
         """FedAvg has no knobs to choose."""
         return "FedAvg (example-weighted mean of the weights)"
 
-    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
         """``sum_k n_k W_k / sum_k n_k``."""
-        return AggregateOutcome(size_weighted_average(uploads.weights, uploads.num_examples), {"method": "fedavg"})
+        return RoundOutcome(size_weighted_average(uploads.weights, uploads.num_examples), {"method": "fedavg"})
 
 
 # -------------------------------------------------------------------------------- FedFisher
@@ -409,7 +259,7 @@ class FedFisherAggregator:
         pick = "the checkpoint that validates best" if has_validation else "the last step"
         return f"{self.label}: {self.steps} optimisation steps from FedAvg, keeping {pick}"
 
-    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
         """FedFisher on the valid uploads; the best checkpoint on validation (the last without)."""
         from fedfiot_flwr.baselines.fedfisher import fedfisher_diag, fedfisher_kfac
 
@@ -433,7 +283,7 @@ class FedFisherAggregator:
         record = {"fisher_kind": kind, "best_step": res.best_step, "best_score": res.best_score,
                   "history": res.history, **extra}
         metrics = {"best-step": float(res.best_step), "objective": float(res.history[-1]["objective"])}
-        return AggregateOutcome(res.model, chosen, metrics, record, seconds=res.seconds)
+        return RoundOutcome(res.model, chosen, metrics, record, seconds=res.seconds)
 
 
 # ---------------------------------------------------------------------------------- RegMean
@@ -486,7 +336,7 @@ class RegMeanAggregator:
         pick = "the alpha that validates best" if has_validation else f"alpha={self.alphas[-1]:g} (the last)"
         return f"RegMean over alpha in {list(self.alphas)}, keeping {pick}"
 
-    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> AggregateOutcome:
+    def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
         """RegMean for every alpha; the best on validation."""
         from fedfiot_flwr.baselines.regmean import regmean_select
 
@@ -496,4 +346,4 @@ class RegMeanAggregator:
                              checked=True)
         record = {"alpha_scores": {f"{a:g}": s for a, s in res.scores.items()}, "merged_layers": res.merged_layers,
                   "curvature_bytes_per_client": uploads.curvature_bytes_per_client, "ranks": uploads.ranks}
-        return AggregateOutcome(res.model, {"alpha": res.alpha}, {"alpha": res.alpha}, record, seconds=res.seconds)
+        return RoundOutcome(res.model, {"alpha": res.alpha}, {"alpha": res.alpha}, record, seconds=res.seconds)

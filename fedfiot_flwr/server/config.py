@@ -37,7 +37,7 @@ from fedfiot_flwr.options import (
     REFERENCES,
     SELECTIONS,
 )
-from fedfiot_flwr.server.selection import SweepGrid
+from fedfiot_flwr.server.selection import Candidate, SweepGrid
 
 __all__ = ["FedFiOTConfig", "SELECTIONS"]
 
@@ -104,6 +104,14 @@ class FedFiOTConfig:
         Threads that solve one alignment step's client assignments concurrently; ``None``
         (automatic): one per core, up to the number of clients, for layers of at least 256
         neurons with scipy's solver. Only the time changes: the merge is bit-identical.
+    warm_start : bool
+        Start each swept candidate's alignment from its nearest already-merged neighbour's (same
+        reference and scaling, one grid step away; :mod:`fedfiot_flwr.server.warm_starts`).
+        Faster, but not the paper's cold start: it can change the choice, so it is opt-in.
+    race : bool
+        When the validation function offers ``validate_bounded`` (the one of
+        :func:`fedfiot_flwr.validation.make_validate_fn` does), stop scoring a candidate as soon
+        as it provably cannot beat the best fully scored one. Exact: the same choice and metrics.
     """
 
     name: str = "custom"
@@ -126,6 +134,8 @@ class FedFiOTConfig:
     broadcast_in_round_one: bool = False
     lap_threads: int | None = None
     backend: str = "numpy"
+    warm_start: bool = False
+    race: bool = True
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
@@ -142,6 +152,14 @@ class FedFiOTConfig:
             raise ValueError(f"fisher_cap must be >= 1, or 0 / None for no cap, got {self.fisher_cap!r}")
         if self.fisher_cap_rule not in FISHER_CAP_RULES:
             raise ValueError(f"fisher_cap_rule must be one of {FISHER_CAP_RULES}, got {self.fisher_cap_rule!r}")
+        for name in ("warm_start", "race"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def candidate(self) -> Candidate:
+        """This configuration's own ``(rho, lam, reference, fisher_scaling)``: the merge without a sweep."""
+        return Candidate(float(self.rho), float(self.lam), self.reference, self.fisher_scaling)
 
     @property
     def speed(self) -> MergeSpeed:

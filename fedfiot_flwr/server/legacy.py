@@ -161,7 +161,7 @@ class FedFiOTLegacy(FedAvg):
             cid = str(proxy.cid)
             reason = f"failure: {fit_res.status.code.name}: {fit_res.status.message}"
             errors.append((cid, first.duplicate(cid, reason) or reason))
-        result = self.merger.merge(server_round, good, errors, self._broadcast)
+        result = self.merger.run_round(server_round, good, errors, self._broadcast)
         self.server_metrics[server_round] = dict(metric_record(result.report["server_metrics"]))
         log(DEBUG, "FedFiOTLegacy round %s server-side metrics: %s", server_round,
             dict(metric_record(result.report["server_metrics"])))

@@ -266,7 +266,7 @@ class RunRecorder:
             values: dict[str, Any] = {"test": _scalars(res)}
             last = strategy.last_round
             if evaluate_fn is not None and last is not None and last.report.get("round") == server_round:
-                for name, model in last.outcome.alternatives.items():
+                for name, model in last.alternatives.items():
                     key = {"fedavg": "fedavg_test", "fedfiot-own": "own_test"}.get(name, f"{name}_test")
                     values[key] = _scalars(evaluate_fn(server_round, numpy_to_arrays(model, list(arrays.keys()))))
             if checkpoints:

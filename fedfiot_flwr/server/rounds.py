@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from logging import INFO, WARNING
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,11 +19,12 @@ from flwr.supercore import log
 from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.refine.base import PostMergeStage, StageResult
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
-from fedfiot_flwr.server.aggregators import AggregateOutcome, Aggregator, RoundContext, describe_fedfiot_choice
+from fedfiot_flwr.server.aggregators import Aggregator, describe_fedfiot_choice
+from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads, require_enough, weighted_mean_metrics
 from fedfiot_flwr.options import Model
 
-__all__ = ["RoundMerger", "RoundResult", "jsonable"]
+__all__ = ["RoundMerger", "jsonable"]
 
 ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float] | None]
 
@@ -47,14 +47,9 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-@dataclass
-class RoundResult:
-    """A merged round: the model, the decoded uploads, the aggregator's outcome and the report."""
-
-    model: Model
-    uploads: CollectedUploads
-    outcome: AggregateOutcome
-    report: dict[str, Any]
+def _rejected(uploads: CollectedUploads) -> list[dict[str, str]]:
+    """The excluded replies as the report lists them."""
+    return [{"client": r.client, "reason": r.reason} for r in uploads.rejections]
 
 
 class RoundMerger:
@@ -99,7 +94,7 @@ class RoundMerger:
         self.fedavg_baseline = bool(fedavg_baseline)
         self.post_merge = post_merge
         self.reports: list[dict[str, Any]] = []
-        self.last: RoundResult | None = None
+        self.last: RoundOutcome | None = None
 
     def _validate(self, model: Model) -> dict[str, float] | None:
         if self.validate_fn is None:
@@ -109,14 +104,14 @@ class RoundMerger:
             return None
         return {k: float(v) for k, v in res.items() if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
 
-    def merge(
+    def run_round(
         self,
         server_round: int,
         replies: Iterable[tuple[str, RecordDict]],
         errors: Iterable[tuple[str, str]],
         broadcast: Model | None,
-    ) -> RoundResult:
-        """Merge one round's replies.
+    ) -> RoundOutcome:
+        """Decode, validate, exclude, aggregate and report one round's replies.
 
         Parameters
         ----------
@@ -131,13 +126,32 @@ class RoundMerger:
 
         Returns
         -------
-        RoundResult
+        RoundOutcome
+            The aggregator's outcome, completed with the returned model (post-merge stage
+            included, in the broadcast model's order), its validation, the uploads and the report.
 
         Raises
         ------
         RuntimeError
             When fewer than ``min_valid_replies`` replies are valid; lists every excluded client.
         """
+        uploads = self._collect(server_round, replies, errors, broadcast)
+        t0 = time.perf_counter()
+        outcome = self.aggregator.aggregate(uploads, RoundContext(server_round, broadcast, self.buffers,
+                                                                  self.validate_fn))
+        order = list(broadcast) if broadcast is not None else list(uploads.weights[0])
+        stage = self._finish(outcome, uploads, order)
+        seconds = time.perf_counter() - t0
+        outcome.uploads = uploads
+        outcome.report = self._report(server_round, outcome, stage, seconds)
+        self.reports.append(outcome.report)
+        self.last = outcome
+        self._log(server_round, outcome, outcome.validation, stage, seconds, uploads)
+        return outcome
+
+    def _collect(self, server_round: int, replies: Iterable[tuple[str, RecordDict]],
+                 errors: Iterable[tuple[str, str]], broadcast: Model | None) -> CollectedUploads:
+        """Decode and validate every reply once; log and record the excluded ones; require enough valid ones."""
         label = self.aggregator.label
         shapes = None if broadcast is None else {k: tuple(v.shape) for k, v in broadcast.items()}
         # An aggregator that caps the Fishers accepts any finite one (``fisher_bound`` None); the
@@ -150,16 +164,16 @@ class RoundMerger:
         for rej in uploads.rejections:
             log(WARNING, "%s round %s: excluded client %s: %s", label, server_round, rej.client,
                 rej.reason.removeprefix(f"client {rej.client}: "))  # the client is named once
-        rejected = [{"client": r.client, "reason": r.reason} for r in uploads.rejections]
         try:
             require_enough(uploads, self.min_valid_replies, server_round, label)
         except RuntimeError:
-            self.reports.append(jsonable({"round": server_round, "rejected": rejected, "failed": True}))
+            self.reports.append(jsonable({"round": server_round, "rejected": _rejected(uploads), "failed": True}))
             raise
-        t0 = time.perf_counter()
-        context = RoundContext(server_round, broadcast, self.buffers, self.validate_fn)
-        outcome = self.aggregator.aggregate(uploads, context)
-        order = list(broadcast) if broadcast is not None else list(uploads.weights[0])
+        return uploads
+
+    def _finish(self, outcome: RoundOutcome, uploads: CollectedUploads, order: Sequence[str]) -> StageResult | None:
+        """The returned model: the aggregated one in ``order``, through the post-merge stage, validated;
+        FedAvg of the same uploads and every alternative on the same terms."""
         model = {k: np.asarray(outcome.model[k]) for k in order}
         validation = outcome.validation
         if self.fedavg_baseline and "fedavg" not in outcome.alternatives:
@@ -182,7 +196,14 @@ class RoundMerger:
             outcome.alternatives[name] = {k: np.asarray(alt[k]) for k in order}
             if name not in outcome.alternative_validation and self.validate_fn is not None:
                 outcome.alternative_validation[name] = self._validate(outcome.alternatives[name]) or {}
-        seconds = time.perf_counter() - t0
+        outcome.model, outcome.validation = model, validation
+        return stage
+
+    def _report(self, server_round: int, outcome: RoundOutcome, stage: StageResult | None,
+                seconds: float) -> dict[str, Any]:
+        """The round's JSON-ready report (lists as lists, non-finite floats as None)."""
+        uploads = outcome.uploads
+        assert uploads is not None
         server_metrics: dict[str, Any] = {
             "num-valid": len(uploads),
             "num-rejected": len(uploads.rejections),
@@ -191,19 +212,20 @@ class RoundMerger:
             **outcome.metrics,
             **(stage.metrics if stage is not None else {}),
         }
-        for prefix, val in (("val", validation), *((f"{n}-val", v) for n, v in outcome.alternative_validation.items())):
+        named = (("val", outcome.validation), *((f"{n}-val", v) for n, v in outcome.alternative_validation.items()))
+        for prefix, val in named:
             for key, value in (val or {}).items():
                 server_metrics[f"{prefix}-{key}"] = float(value)
-        report = jsonable({
+        return jsonable({
             "round": server_round,
-            "strategy": label,
+            "strategy": self.aggregator.label,
             "clients": list(uploads.client_ids),
             "num_examples": list(uploads.num_examples),
-            "rejected": rejected,
+            "rejected": _rejected(uploads),
             "bytes_received": uploads.bytes_received,
             "bytes_per_client": dict(uploads.bytes_per_client),
             "chosen": outcome.chosen,
-            "validation": validation,
+            "validation": outcome.validation,
             "alternative_validation": outcome.alternative_validation,
             "client_train_metrics": weighted_mean_metrics(uploads.metrics, uploads.num_examples),
             "server_metrics": server_metrics,
@@ -212,10 +234,6 @@ class RoundMerger:
             **({"post_merge": {"stage": self.post_merge.label, "returned": stage.returned, **stage.record}}  # type: ignore[union-attr]
                if stage is not None else {}),
         })
-        self.reports.append(report)
-        self.last = RoundResult(model, uploads, outcome, report)
-        self._log(server_round, outcome, validation, stage, seconds, uploads)
-        return self.last
 
     def _post_merge(self, model: Model, uploads: CollectedUploads,
                     permutations: Mapping[str, Sequence[np.ndarray]] | None) -> StageResult:
@@ -223,7 +241,7 @@ class RoundMerger:
         return self.post_merge(model, uploads.weights, permutations, uploads.num_examples, uploads.client_ids,
                                fishers=uploads.fishers)
 
-    def _log(self, server_round: int, outcome: AggregateOutcome, validation: Mapping[str, float] | None,
+    def _log(self, server_round: int, outcome: RoundOutcome, validation: Mapping[str, float] | None,
              stage: StageResult | None, seconds: float, uploads: CollectedUploads) -> None:
         """One readable line: what the round returned, the score that chose it, FedAvg on the same terms,
         and the excluded clients."""

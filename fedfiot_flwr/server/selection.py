@@ -1,6 +1,6 @@
 """One round of server-side merging, with the paper's validation-based selection.
 
-Given the valid uploads of a round, :func:`merge_round` merges them once (no validation
+Given the valid uploads of a round, :func:`sweep_candidates` merges them once (no validation
 function) or once per candidate of a :class:`SweepGrid` of ``(rho, lam, reference, Fisher
 scaling)`` and keeps the candidate with the best validation score. Tempering, damping and the
 reference are server-side choices, so the sweep costs no communication: every candidate merges
@@ -9,39 +9,37 @@ the same uploads. Framework-neutral: no Flower import.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.choose import BestSoFar, beats, higher_is_better
-from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, MergeSpeed, PermutationSpec, merge, prepare_clients
-from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP_RULE, cap_fishers_explained, describe_outliers
-from fedfiot_flwr.server.warm_starts import WarmStarts
+from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, PermutationSpec, PreparedClients, merge, prepare_clients
+from fedfiot_flwr.merge.robust import cap_fishers_explained, describe_outliers
 from fedfiot_flwr.options import (
     DEFAULT_GRID_LAMS,
     DEFAULT_GRID_REFERENCES,
     DEFAULT_GRID_RHOS,
-    DEFAULT_MAX_ITERS,
     REFERENCES,
-    SELECTIONS,
     alignment_kept,
 )
 from fedfiot_flwr.options import Model
+from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome, ValidateFn
+from fedfiot_flwr.server.warm_starts import WarmStarts
 
-if TYPE_CHECKING:  # the uploads container; kept out of the import graph so this stays Flower-free
+if TYPE_CHECKING:  # kept out of the import graph: the uploads container (Flower-free) and the config (imports this)
+    from fedfiot_flwr.server.config import FedFiOTConfig
     from fedfiot_flwr.server.uploads import CollectedUploads
 
 logger = logging.getLogger("fedfiot_flwr")
-
-
-ValidateFn = Callable[[Model], Mapping[str, float] | None]
 
 
 @dataclass(frozen=True)
@@ -140,51 +138,6 @@ class SweepGrid:
         return out
 
 
-@dataclass
-class MergeOutcome:
-    """What :func:`merge_round` chose, and everything it tried.
-
-    Attributes
-    ----------
-    model : dict[str, np.ndarray]
-        The new global model.
-    candidate : Candidate
-        The chosen configuration.
-    variant : str
-        ``"aligned"`` or ``"identity"``: which of the candidate's two merges was kept, or
-        ``"fedavg"`` when FedAvg of the same uploads was a candidate and scored best.
-    result : MergeResult
-        The chosen candidate's merge (objectives, permutations, reports).
-    validation : dict[str, float] or None
-        Validation metrics of ``model`` (None without a validation function).
-    trials : list[dict]
-        One entry per (candidate, variant) tried: configuration, objectives, validation metrics.
-    baseline_model : dict[str, np.ndarray] or None
-        FedAvg of the same uploads (:func:`fedfiot_flwr.baselines.size_weighted_average`).
-    baseline_validation : dict[str, float] or None
-        Validation metrics of the FedAvg baseline.
-    seconds : float
-        Wall time of the whole selection (all merges and validations).
-    own_model, own_variant, own_validation
-        FedFiOT's own best merge, its variant and validation metrics: the same as ``model``,
-        ``variant`` and ``validation`` unless FedAvg won (then reported next to it, so that a
-        fallback is never mistaken for a win).
-    """
-
-    model: Model
-    candidate: Candidate
-    variant: str
-    result: MergeResult
-    validation: dict[str, float] | None
-    trials: list[dict[str, Any]] = field(default_factory=list)
-    baseline_model: Model | None = None
-    baseline_validation: dict[str, float] | None = None
-    seconds: float = 0.0
-    own_model: Model | None = None
-    own_variant: str | None = None
-    own_validation: dict[str, float] | None = None
-
-
 def _score(metrics: Mapping[str, float] | None, metric: str) -> float:
     if metrics is None or metric not in metrics:
         return math.nan
@@ -265,195 +218,193 @@ def _warn_zero_fishers(uploads: CollectedUploads, server_round: int) -> None:
                            "Fisher", server_round, client)
 
 
-def merge_round(
+def sweep_candidates(
     uploads: CollectedUploads,
     spec: PermutationSpec,
-    default: Candidate,
+    config: FedFiOTConfig,
+    context: RoundContext,
     *,
-    max_iters: int = DEFAULT_MAX_ITERS,
-    matching: str = "fisher",
-    aggregation: str = "fisher",
-    fallback: str = "objective",
-    buffers: Sequence[str] = (),
-    broadcast: Model | None = None,
-    server_round: int = 1,
-    sweep: SweepGrid | None = None,
-    validate: ValidateFn | None = None,
-    metric: str = "accuracy",
-    baseline: bool = True,
-    fedavg_candidate: bool = False,
-    fisher_cap: float | None = None,
-    fisher_cap_rule: str = DEFAULT_FISHER_CAP_RULE,
-    speed: MergeSpeed | None = None,
-    warm_start: bool = False,
-    broadcast_in_round_one: bool = False,
-    race: bool = True,
-) -> MergeOutcome:
-    """Merge one round's valid uploads, selecting on validation data when possible.
+    baseline: bool = False,
+) -> RoundOutcome:
+    """Merge one round's valid uploads once per candidate and keep the one that validates best.
+
+    Without a validation function (``context.validate``) or a sweep grid (``config.sweep``) there
+    is one candidate, ``config.candidate``, and the paper's identity rule decides between its
+    aligned and identity merges (``config.selection``; see :class:`~fedfiot_flwr.server.config.FedFiOTConfig`
+    for every option). Every candidate merges the same uploads, so the sweep shares its work: the
+    uploads are prepared once, each ``(fisher_scaling, rho)`` is tempered once, each identity
+    merge is computed once for all references, and each distinct model is validated once. The
+    best candidate follows :mod:`fedfiot_flwr.choose` (NaN never wins; ties keep the earlier
+    candidate: the configuration's own before the grid, the aligned merge before the identity
+    merge, FedFiOT's own merge before FedAvg).
 
     Parameters
     ----------
     uploads : CollectedUploads
         Valid, dequantized uploads (at least one), as :func:`fedfiot_flwr.server.uploads.collect_uploads`
-        returns them: their shapes and values were validated when they were decoded and are not
-        checked again.
+        returns them (validated when decoded; not checked again).
     spec : PermutationSpec
         Permutation spec of the model.
-    default : Candidate
-        The configuration used without a sweep (and tried first with one).
-    max_iters, matching, aggregation, buffers
-        Passed to :func:`fedfiot_flwr.merge.merge`.
-    fallback : {"objective", "validation", "none"}
-        ``"objective"``: the paper's rule (identity merge when alignment raises the
-        objective; a tie keeps the aligned merge). ``"validation"``: keep whichever of the aligned and identity merges scores
-        better on validation (needs ``validate``; otherwise the paper's rule). ``"none"``: always
-        the aligned merge.
-    broadcast : dict, optional
-        The model broadcast this round (needed for ``reference="broadcast"``).
-    server_round : int
-        Current round (1-based).
-    sweep : SweepGrid, optional
-        Candidate grid; used only together with ``validate``.
-    validate : callable, optional
-        ``model dict -> metrics`` on the server's validation set.
-    metric : str
-        Validation metric to select on; maximised unless its name contains ``"loss"``. The best
-        candidate follows :mod:`fedfiot_flwr.choose` (NaN never wins; ties keep the earlier
-        candidate: ``default`` before the grid, the aligned merge before the identity merge,
-        FedFiOT's own merge before FedAvg).
+    config : FedFiOTConfig
+        The merge, the selection and how they are computed.
+    context : RoundContext
+        Round number, broadcast model (for ``reference="broadcast"``), buffers, validation function.
     baseline : bool
-        Also compute (and validate) FedAvg of the same uploads.
-    fedavg_candidate : bool
-        Let FedAvg of the same uploads compete on validation (implies ``baseline``; needs
-        ``validate``). When it wins, ``variant`` is ``"fedavg"`` and FedFiOT's own best merge is
-        kept in ``own_model`` / ``own_variant`` / ``own_validation``.
-    fisher_cap : float, optional
-        Robust weighting: cap every client's Fisher at this factor times the clients' median
-        (:func:`fedfiot_flwr.merge.robust.cap_fishers`) before the merge tempers it; any finite
-        Fisher may then be uploaded (the reply bounds do not apply, see
-        :func:`fedfiot_flwr.reply_limits.fisher_bound_for`). ``None``: the Fishers as uploaded (the
-        paper), which the reply bounds keep within ``MAX_FISHER_MAGNITUDE``.
-    fisher_cap_rule : {"outliers", "median"}
-        Which clients the cap changes (:func:`fedfiot_flwr.merge.robust.cap_fishers`); an outlier
-        is logged with its client and tensors.
-    speed : MergeSpeed, optional
-        How each merge is computed (:class:`fedfiot_flwr.merge.MergeSpeed`; its defaults when
-        omitted): float32 costs, solver, threads, certified assignments, torch backend.
-    warm_start : bool
-        Start each candidate's alignment from its nearest already-merged neighbour's (same
-        reference and scaling, one grid step away; :mod:`fedfiot_flwr.server.warm_starts`).
-        Faster (usually one inner iteration per layer instead of two), but not the paper's
-        cold start: opt-in.
-    broadcast_in_round_one : bool
-        Offer ``reference="broadcast"`` in round 1 too, where the broadcast model is the
-        initialisation: meaningful when every client started from it (a shared initialisation).
-        Off: round 1 aligns to the largest client, as the paper does.
-    race : bool
-        When ``validate`` offers ``validate_bounded(model, metric, threshold, maximize)`` (the
-        ``validate_fn`` of :func:`fedfiot_flwr.validation.make_validate_fn` does), stop scoring a
-        candidate as soon as it provably cannot beat the best fully scored one. Exact: the choice
-        and the chosen model's metrics are those of a full scoring. A cut trial is recorded with
-        ``"validation": None`` and ``"validation_cut": True``. FedAvg of the same uploads is always
-        scored in full. Plain callables are scored in full.
-
-    Every candidate merges the same uploads, so the sweep shares its work: the uploads are
-    prepared once, each ``(fisher_scaling, rho)`` is tempered once, each identity merge is
-    computed once for all references, and each distinct model is validated once.
+        Also compute (and validate) FedAvg of the same uploads when ``config`` does not make it a
+        candidate (it is in :attr:`RoundOutcome.alternatives` as ``"fedavg"``).
 
     Returns
     -------
-    MergeOutcome
+    RoundOutcome
+        The chosen model with its candidate, variant, engine result and every trial.
     """
     if len(uploads) == 0:
-        raise ValueError("merge_round needs at least one valid upload")
-    if fallback not in SELECTIONS:
-        raise ValueError(f"fallback must be one of {SELECTIONS}, got {fallback!r}")
-    if fallback == "validation" and validate is None:
-        logger.warning("FedFiOT: fallback='validation' without a validation function; using the paper's rule")
-        fallback = "objective"
+        raise ValueError("the candidate sweep needs at least one valid upload")
     start = time.perf_counter()
-    candidates = (sweep.candidates(default, server_round, broadcast_in_round_one)
-                  if sweep is not None and validate is not None else [default])
-    no_broadcast = server_round <= 1 and not broadcast_in_round_one
-    if default.reference == "broadcast" and no_broadcast and candidates == [default]:
-        logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
-        candidates = [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
-
-    _warn_zero_fishers(uploads, server_round)
-    fishers = uploads.fishers if fisher_cap is None else _capped(uploads, fisher_cap, fisher_cap_rule)
-    clients = prepare_clients(uploads.weights, fishers, buffers=buffers, num_examples=uploads.num_examples,
+    validate = context.validate
+    selection = config.selection
+    if selection == "validation" and validate is None:
+        logger.warning("FedFiOT: fallback='validation' without a validation function; using the paper's rule")
+        selection = "objective"
+    candidates = _round_candidates(config, context.server_round, validate is not None)
+    _warn_zero_fishers(uploads, context.server_round)
+    fishers = uploads.fishers if config.fisher_cap is None else _capped(uploads, config.fisher_cap,
+                                                                         config.fisher_cap_rule)
+    clients = prepare_clients(uploads.weights, fishers, buffers=context.buffers, num_examples=uploads.num_examples,
                               client_ids=uploads.client_ids, checked=True)
-    starts = WarmStarts() if warm_start and matching != "none" else None
-    validated = _CachedValidation(validate, race) if validate is not None else None
+    validated = _CachedValidation(validate, config.race) if validate is not None else None
+    if len(candidates) > 1:
+        both = selection == "validation" and config.matching != "none"
+        logger.info("FedFiOT round %s: trying %d knob settings on the validation data%s", context.server_round,
+                    len(candidates), ", each as the aligned and the identity merge" if both else "")
+    best, trials = _try_candidates(clients, spec, _with_selection(config, selection), candidates,
+                                   context, validated)
+    cand, variant, res, model, val = best.item
+    merges_validated = validated.calls if validated is not None else 0
+    out = RoundOutcome(model, {}, validation=val, candidate=cand, variant=variant, engine_result=res, trials=trials)
+    if baseline or (config.fedavg_candidate and validate is not None):
+        out.alternatives["fedavg"] = size_weighted_average(uploads.weights, uploads.num_examples)
+        if validated is not None:
+            out.alternative_validation["fedavg"] = validated(out.alternatives["fedavg"])
+    if len(trials) > 1:
+        logger.info("FedFiOT round %s: selected %s (%s) out of %d knob settings (%d merges, %d distinct models "
+                    "validated, %d of them cut once they could not be chosen)", context.server_round, cand.label(),
+                    variant, len(candidates), len(trials), merges_validated,
+                    len(validated.cut) if validated is not None else 0)
+    if (config.fedavg_candidate and validate is not None
+            and beats(_score(out.baseline_validation, config.selection_metric), best.score,
+                      maximize=higher_is_better(config.selection_metric))):
+        logger.info("FedFiOT round %s: FedAvg of the same uploads scored best on validation and is returned; "
+                    "FedFiOT's own merge (%s) is reported next to it", context.server_round, variant)
+        out.alternatives["fedfiot-own"] = model
+        if val is not None:
+            out.alternative_validation["fedfiot-own"] = dict(val)
+        out.model, out.variant, out.validation = out.alternatives["fedavg"], "fedavg", out.baseline_validation
+    _report(out, config, uploads, own_variant=variant, own_validation=val)
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _with_selection(config: FedFiOTConfig, selection: str) -> FedFiOTConfig:
+    """``config`` with ``selection`` (the identity rule that runs when validation data is missing)."""
+    return config if config.selection == selection else dataclasses.replace(config, selection=selection)
+
+
+def _round_candidates(config: FedFiOTConfig, server_round: int, has_validation: bool) -> list[Candidate]:
+    """The candidates of this round: the grid with validation data, else the configuration's own."""
+    default = config.candidate
+    if config.sweep is not None and has_validation:
+        return config.sweep.candidates(default, server_round, config.broadcast_in_round_one)
+    if default.reference == "broadcast" and server_round <= 1 and not config.broadcast_in_round_one:
+        logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
+        return [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
+    return [default]
+
+
+def _try_candidates(
+    clients: PreparedClients,
+    spec: PermutationSpec,
+    config: FedFiOTConfig,
+    candidates: Sequence[Candidate],
+    context: RoundContext,
+    validated: _CachedValidation | None,
+) -> tuple[BestSoFar[tuple[Candidate, str, MergeResult, Model, dict[str, float] | None]], list[dict[str, Any]]]:
+    """Merge every candidate (each as its aligned and identity merge where validation chooses) and score it."""
+    metric = config.selection_metric
     maximize = higher_is_better(metric)
+    starts = WarmStarts() if config.warm_start and config.matching != "none" else None
     best: BestSoFar[tuple[Candidate, str, MergeResult, Model, dict[str, float] | None]] = BestSoFar(maximize=maximize)
     trials: list[dict[str, Any]] = []
-    both = fallback == "validation" and matching != "none"
-    if len(candidates) > 1:
-        logger.info("FedFiOT round %s: trying %d knob settings on the validation data%s", server_round, len(candidates),
-                    ", each as the aligned and the identity merge" if both else "")
     for cand in candidates:
         reference: str | int | Model = cand.reference
         if cand.reference == "broadcast":
-            if broadcast is None:
+            if context.broadcast is None:
                 raise ValueError("reference='broadcast' needs the broadcast model")
-            reference = broadcast
+            reference = context.broadcast
         res = merge(
-            clients,
-            None,
-            spec,
-            lam=cand.lam,
-            rho=cand.rho,
-            max_iters=max_iters,
-            reference=reference,
-            matching=matching,
-            aggregation=aggregation,
-            fallback="none" if fallback == "validation" else fallback,
+            clients, None, spec, lam=cand.lam, rho=cand.rho, max_iters=config.max_iters, reference=reference,
+            matching=config.matching, aggregation=config.aggregation,
+            fallback="none" if config.selection == "validation" else config.selection,
             fisher_scaling=cand.fisher_scaling,
             initial_perms=None if starts is None else starts.nearest(cand.reference, cand.fisher_scaling,
                                                                      cand.rho, cand.lam),
-            speed=speed,
+            speed=config.speed,
         )
         if starts is not None:
             starts.add(cand.reference, cand.fisher_scaling, cand.rho, cand.lam, res.permutations)
         variants: list[tuple[str, Model]] = [("aligned" if res.aligned else "identity", res.model)]
-        if fallback == "validation" and res.aligned and matching != "none":
+        if config.selection == "validation" and res.aligned and config.matching != "none":
             variants.append(("identity", res.identity_model))
         for variant, model in variants:
             val = (validated.bounded(model, metric, best.score if best.count else math.nan, maximize)
                    if validated is not None else None)
-            score = _score(val, metric)
-            trials.append(
-                {
-                    **asdict(cand),
-                    "variant": variant,
-                    "objective": float(res.aligned_objective if variant == "aligned" else res.identity_objective),
-                    "identity_objective": float(res.identity_objective),
-                    "paper_rule_aligned": alignment_kept(res.aligned_objective, res.identity_objective),
-                    "merge_seconds": float(res.seconds),
-                    "validation": val,
-                    **({"validation_cut": True} if validated is not None and val is None else {}),
-                }
-            )
-            best.offer(score, (cand, variant, res, model, val))
-    cand, variant, res, model, val = best.item
+            trials.append({
+                **asdict(cand),
+                "variant": variant,
+                "objective": float(res.aligned_objective if variant == "aligned" else res.identity_objective),
+                "identity_objective": float(res.identity_objective),
+                "paper_rule_aligned": alignment_kept(res.aligned_objective, res.identity_objective),
+                "merge_seconds": float(res.seconds),
+                "validation": val,
+                **({"validation_cut": True} if validated is not None and val is None else {}),
+            })
+            best.offer(_score(val, metric), (cand, variant, res, model, val))
+    return best, trials
 
-    own = (model, variant, val)
-    merges_validated = validated.calls if validated is not None else 0
-    baseline_model = baseline_val = None
-    if baseline or (fedavg_candidate and validate is not None):
-        baseline_model = size_weighted_average(uploads.weights, uploads.num_examples)
-        baseline_val = validated(baseline_model) if validated is not None else None
-    if len(trials) > 1:
-        logger.info("FedFiOT round %s: selected %s (%s) out of %d knob settings (%d merges, %d distinct models "
-                    "validated, %d of them cut once they could not be chosen)", server_round, cand.label(), variant,
-                    len(candidates), len(trials), merges_validated, len(validated.cut) if validated is not None else 0)
-    if fedavg_candidate and validate is not None and beats(_score(baseline_val, metric), best.score, maximize=maximize):
-        logger.info("FedFiOT round %s: FedAvg of the same uploads scored best on validation and is returned; "
-                    "FedFiOT's own merge (%s) is reported next to it", server_round, variant)
-        model, variant, val = baseline_model, "fedavg", baseline_val
-    return MergeOutcome(
-        model=model, candidate=cand, variant=variant, result=res, validation=val, trials=trials,
-        baseline_model=baseline_model, baseline_validation=baseline_val, seconds=time.perf_counter() - start,
-        own_model=own[0], own_variant=own[1], own_validation=own[2],
-    )
+
+def _report(out: RoundOutcome, config: FedFiOTConfig, uploads: CollectedUploads, own_variant: str,
+            own_validation: dict[str, float] | None) -> None:
+    """Fill the outcome's chosen knobs, metrics, record and permutations from its engine result."""
+    res, cand = out.engine_result, out.candidate
+    assert res is not None and cand is not None
+    moved = [float(x) for x in res.fraction_permuted]
+    fedavg_won = out.variant == "fedavg"
+    out.metrics = {
+        "objective-aligned": float(res.aligned_objective),
+        "objective-identity": float(res.identity_objective),
+        "kept-aligned": out.variant == "aligned",
+        "paper-rule-aligned": alignment_kept(res.aligned_objective, res.identity_objective),
+        "alignment-moved-fraction": moved,
+        "inner-iterations": [int(r.iterations) for r in res.reports.values()],
+        "rho": float(cand.rho),
+        "lam": float(cand.lam),
+        "merge-seconds": float(res.seconds),
+        "num-trials": len(out.trials),
+    }
+    if config.fedavg_candidate and out.baseline_validation is not None:  # FedAvg competed on validation data
+        out.metrics["fedavg-won"] = fedavg_won
+    out.record = {
+        "objective_aligned": res.aligned_objective,
+        "objective_identity": res.identity_objective,
+        "kept": out.variant,
+        "fedavg_won": fedavg_won,
+        "own_variant": own_variant,
+        "own_validation": own_validation,
+        "inner_iterations": {p: r.iterations for p, r in res.reports.items()},
+        "alignment_moved_fraction": dict(zip(uploads.client_ids, moved)),
+        "num_trials": len(out.trials),
+        "trials": out.trials,
+    }
+    out.chosen = {"rho": cand.rho, "lam": cand.lam, "reference": cand.reference,
+                  "fisher_scaling": cand.fisher_scaling, "variant": out.variant}
+    out.permutations = {p: list(v) for p, v in res.permutations.items()} if out.variant == "aligned" else None

@@ -29,8 +29,9 @@ from fedfiot_flwr.refine.base import ModelMapStage, PostMergeStage
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.aggregators import Aggregator
 from fedfiot_flwr.server.nodes import NodeWaiter
+from fedfiot_flwr.server.outcome import RoundOutcome
 from fedfiot_flwr.server.resume import RoundHistory, continue_rounds
-from fedfiot_flwr.server.rounds import RoundMerger, RoundResult
+from fedfiot_flwr.server.rounds import RoundMerger
 from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.uploads import FirstReplies
 from fedfiot_flwr.options import Model
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-__all__ = ["MergeResult", "MergeStrategy", "arrays_to_numpy", "buffers_of", "check_sampling", "check_model",
+__all__ = ["RunResult", "MergeStrategy", "arrays_to_numpy", "buffers_of", "check_sampling", "check_model",
            "metric_record", "numpy_to_arrays"]
 
 ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float] | None]
@@ -136,7 +137,7 @@ def check_sampling(label: str, **options: Any) -> None:
 
 
 @dataclass
-class MergeResult(Result):
+class RunResult(Result):
     """Flower's ``Result`` plus the server-side aggregation metrics of every round.
 
     Attributes
@@ -274,7 +275,7 @@ class MergeStrategy(FedAvg):
         return self.merger.reports
 
     @property
-    def last_round(self) -> RoundResult | None:
+    def last_round(self) -> RoundOutcome | None:
         """The last merged round: model, decoded uploads, aggregator outcome and report."""
         return self.merger.last
 
@@ -329,7 +330,7 @@ class MergeStrategy(FedAvg):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> MergeResult:
+    ) -> RunResult:
         """Flower's ``start``; the returned result also holds the server-side aggregation metrics.
 
         After :meth:`restore` it begins at the round after the restored one (``initial_arrays``:
@@ -348,7 +349,7 @@ class MergeStrategy(FedAvg):
         else:
             result = super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                                    tracked_fn)
-        out = MergeResult(**{f.name: getattr(result, f.name) for f in fields(result)},
+        out = RunResult(**{f.name: getattr(result, f.name) for f in fields(result)},
                           aggregation_metrics_serverapp=dict(self.server_metrics))
         for line in out.aggregation_summary().splitlines():  # after the summary Flower printed
             log(INFO, "\t%s", line)
@@ -415,7 +416,7 @@ class MergeStrategy(FedAvg):
                 good.append((node, msg.content))
         lost = self.unavailable_nodes.get(server_round)
         try:
-            result = self.merger.merge(server_round, good, errors, self._broadcast)
+            result = self.merger.run_round(server_round, good, errors, self._broadcast)
         finally:
             if lost and self.reports and self.reports[-1].get("round") == server_round:
                 self.reports[-1]["unavailable_nodes"] = list(lost)
@@ -434,7 +435,7 @@ class MergeStrategy(FedAvg):
             self.history.evaluate_metrics_clientapp[server_round] = metrics
         return metrics
 
-    def _train_metrics(self, result: RoundResult) -> MetricRecord | None:
+    def _train_metrics(self, result: RoundOutcome) -> MetricRecord | None:
         """The clients' own training metrics, aggregated as FedAvg does (names unchanged)."""
         contents = result.uploads.contents
         if not contents:

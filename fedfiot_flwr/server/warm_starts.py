@@ -5,7 +5,7 @@ step of ``rho`` or ``lam`` usually reach the same alignment. Starting a candidat
 from its nearest already-merged neighbour's permutations (``merge(..., initial_perms=...)``)
 then confirms that fixed point in one inner iteration per layer instead of the cold start's two
 or more. A warm start is not the paper's algorithm: the fixed point it reaches can differ from
-the cold start's, so it is opt-in (``merge_round(..., warm_start=True)``), and its choices are
+the cold start's, so it is opt-in (``FedFiOTConfig(warm_start=True)``), and its choices are
 checked against cold starts by the tests and ``benchmarks/sweep_cost.py``.
 """
 
