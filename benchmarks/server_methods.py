@@ -165,7 +165,7 @@ def refined(uploads: H.Uploads, split: FederatedSplit, build: Callable[[], torch
 
 
 DEFAULT_REFINE = RefineOptions()
-"""The refinement as it ships (`RefineOptions()`, what `refine=RefineOptions()` runs; docs/one_shot_analysis.md says why)."""
+"""The refinement as it ships (`RefineOptions()`, what `refine=RefineOptions()` runs; research/one_shot_analysis.md says why)."""
 
 RIVALS = ("fedavg", "fisher-merge", "otfusion", "wb-fusion", "regmean", "fedfisher-diag", "fedfisher-kfac",
           "best-single-client")

@@ -1,6 +1,7 @@
 """The user-facing pages speak of the project only: no machine paths, revision hashes or lab-notebook wording.
 
-Scans ``docs/**/*.md`` and ``benchmarks/results/**/*.{md,json}`` for
+Scans ``docs/**/*.md``, ``benchmarks/results/**/*.{md,json}`` and ``research/**/*.md`` with
+``research/results/**/*.json`` for
 
 - absolute paths of the machine a benchmark ran on (``/work/``, ``/tmp/``, ``/root/``, ``/home/``):
   a results page records paths relative to the repository root and placeholders such as
@@ -40,7 +41,8 @@ CHECKS = (
 def scanned_files() -> list[Path]:
     """Every page the rule covers, sorted."""
     files = [*ROOT.glob("docs/**/*.md"), *ROOT.glob("benchmarks/results/**/*.md"),
-             *ROOT.glob("benchmarks/results/**/*.json")]
+             *ROOT.glob("benchmarks/results/**/*.json"), *ROOT.glob("research/**/*.md"),
+             *ROOT.glob("research/results/**/*.json")]
     return sorted(set(files))
 
 
@@ -64,6 +66,7 @@ def test_the_scan_covers_the_docs_and_the_results() -> None:
     names = {_rel(p) for p in scanned_files()}
     assert "docs/performance.md" in names and "benchmarks/results/one_shot.json" in names
     assert any(n.startswith("benchmarks/results/") and n.endswith(".md") for n in names)
+    assert "research/README.md" in names and "research/results/merge_many.json" in names
 
 
 @pytest.mark.parametrize("path", scanned_files(), ids=_rel)

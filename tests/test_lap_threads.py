@@ -4,7 +4,7 @@ Within one alignment step the clients' assignment problems are independent given
 layer; solved in a thread pool and collected in client order they must leave every permutation,
 objective, report and merged tensor exactly as without threads, on every matching, with certified
 hints, streamed clients and a reference model, and against the readable reference
-:mod:`fedfiot_flwr.algorithm`. Speed is measured by ``benchmarks/wide_layer.py``, not here.
+:mod:`fedfiot_flwr.algorithm`. Speed is measured by ``benchmarks/server_speed.py --wide``, not here.
 """
 
 from __future__ import annotations

@@ -176,28 +176,3 @@ def test_the_fine_tuning_batch_sets_the_steps() -> None:
     small, one_step = tuned(10), tuned(120)
     assert any(not np.allclose(small[k], one_step[k]) for k in small)
     np.testing.assert_array_equal(tuned(120)["fc1.weight"], one_step["fc1.weight"])
-
-
-def test_the_cost_benchmark_reads_recipes_and_relates_every_path_to_the_reference() -> None:
-    from benchmarks import refine_cost
-
-    base = RefineOptions()
-    assert refine_cost.recipe_options("c3e10b100", base) == RefineOptions(augment_copies=3, finetune_epochs=10,
-                                                                            finetune_batch=100)
-    assert refine_cost.recipe_options("c2e6", base).finetune_batch == base.finetune_batch
-    with pytest.raises(ValueError, match="c<copies>e<epochs>"):
-        refine_cost.recipe_options("e10", base)
-    names = [p.name for p in refine_cost.paths(["c2e6"], quick=False)]
-    assert names[:2] == ["reference", "same recipe"] and names[-1] == "c2e6"
-    assert ("shipped" in names) == (RefineOptions() != refine_cost.TODAY)
-
-    def run(cpu: float, test: float) -> dict:
-        return {"cpu_seconds": cpu, "wall_seconds": 2 * cpu, "audit": test, "test": test}
-
-    records = [{"runs": {"reference": run(30.0, 0.80), "shipped": run(10.0, 0.79)}},
-               {"runs": {"reference": run(10.0, 0.70), "shipped": run(5.0, 0.72)}}]
-    rows = {r["path"]: r for r in refine_cost.summary(records, ["reference", "shipped"])}
-    assert rows["reference"]["cpu_ratio"] == 1.0
-    assert rows["shipped"]["cpu_ratio"] == pytest.approx(15 / 40)
-    assert (rows["shipped"]["cell_cpu_ratio_min"], rows["shipped"]["cell_cpu_ratio_max"]) == pytest.approx((1 / 3, 0.5))
-    assert rows["shipped"]["test_vs_reference"] == pytest.approx(0.005)

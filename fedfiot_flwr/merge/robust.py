@@ -76,7 +76,7 @@ __all__ = [
 DEFAULT_FISHER_CAP: float = 4.0
 """``c`` of the default preset: a client's tensor is an outlier when its mean or largest entry is
 more than ``c`` times the other clients' median, or its peak ``c`` times flatter (``rule="outliers"``).
-Measured in ``benchmarks/results/fisher_inflation_outliers*.md`` and ``fisher_cap_honest_fashion_*.md``:
+Measured in ``research/results/fisher_inflation_outliers*.md`` and ``fisher_cap_honest_fashion_*.md``:
 a 1e3, 1e6 or float32-maximum inflation of one client costs at most 1.6 points (digits and
 Fashion-MNIST); on four honest Fashion-MNIST cells the merge is within 2.4 points of no cap, 1.3 above
 it on the mean, where the median rule at ``c = 1`` cost up to 12.9 points; an attacker under the

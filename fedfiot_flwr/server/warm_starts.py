@@ -6,7 +6,7 @@ from its nearest already-merged neighbour's permutations (``merge(..., initial_p
 then confirms that fixed point in one inner iteration per layer instead of the cold start's two
 or more. A warm start is not the paper's algorithm: the fixed point it reaches can differ from
 the cold start's, so it is opt-in (``FedFiOTConfig(warm_start=True)``), and its choices are
-checked against cold starts by the tests and ``benchmarks/sweep_cost.py``.
+checked against cold starts by the tests and ``research/sweep_cost.py``.
 """
 
 from __future__ import annotations
