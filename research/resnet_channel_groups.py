@@ -141,7 +141,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    logging.getLogger("fedfiot_flwr.merge.trace").setLevel(logging.ERROR)
+    trace_log = logging.getLogger("fedfiot_flwr.merge.trace")
+    level = trace_log.level
+    trace_log.setLevel(logging.ERROR)  # the derivations' warnings, for this comparison only
+    try:
+        return _compare(args)
+    finally:
+        trace_log.setLevel(level)
+
+
+def _compare(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, (model, example) in zoo().items():
         if args.models is not None and name not in args.models:

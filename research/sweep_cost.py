@@ -107,8 +107,8 @@ def run_sweep(fn: Any, uploads: H.Uploads, spec: Any, buffers: Any, config: FedF
     """One sweep (``fn``: the current one or a compared revision's) of ``config``'s sweep, timed."""
     counter = (CountingScorer if hasattr(validate, "validate_bounded") else CountingValidator)(validate)
     if current:  # the current sweep takes the configuration itself: no cap, the engine's speed defaults, ``speed``
-        plain = dataclasses.replace(config, fisher_cap=None, certify=False, cost_dtype="float64", lap_solver="scipy",
-                                    lap_threads=None, backend="numpy", **speed)
+        plain = dataclasses.replace(config, **{"fisher_cap": None, "certify": False, "cost_dtype": "float64",
+                                               "lap_solver": "scipy", "lap_threads": None, "backend": "numpy", **speed})
         t0 = time.process_time()
         out = fn(uploads.quantized, spec, plain, RoundContext(1, uploads.broadcast, tuple(buffers), counter))
         return out, time.process_time() - t0, counter

@@ -271,9 +271,11 @@ class RunRecorder:
                     values[key] = _scalars(evaluate_fn(server_round, numpy_to_arrays(model, list(arrays.keys()))))
             if checkpoints:
                 values["checkpoint"] = str(self.run_dir / "checkpoints" / f"round-{server_round:03d}.pt")
-                self.round(server_round).update(jsonable(values))
-                self._checkpoint(strategy, server_round, arrays, res)
+            # results.json first: once a round's state file (the mark of a complete round) exists, the
+            # results file already holds the round too.
             self.update_round(server_round, values)
+            if checkpoints:
+                self._checkpoint(strategy, server_round, arrays, res)
             return res
 
         t0 = time.perf_counter()
