@@ -169,7 +169,7 @@ def test_the_refinement_keeps_the_merge_and_starts_from_it_on_a_tie(monkeypatch:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from fedfiot_flwr.refine import RefineOptions, candidates, refine_merged_model
+    from fedfiot_flwr.refine import Folds, RefineOptions, candidates, refine_merged_model
 
     monkeypatch.setattr(candidates, "_accuracy", lambda model, loader: 0.5)  # every candidate ties
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def test_the_refinement_keeps_the_merge_and_starts_from_it_on_a_tie(monkeypatch:
     loader = DataLoader(TensorDataset(torch.randn(12, 4), torch.arange(12) % 3), batch_size=6)
     lines: list[str] = []
     options = RefineOptions(ridges=(0.1, 1.0), finetune_epochs=1, augment_copies=0, offer_starts=True)
-    _, report = refine_merged_model(merged, clients, net, loader, loader, options=options, log=lines.append)
+    _, report = refine_merged_model(merged, clients, net, Folds(loader, loader), options=options, log=lines.append)
     assert {"ls-r0.1", "ft1(merged)", "client-1"} <= set(report.selection_accuracy)
     assert report.chosen == "merged"
     assert any("fine-tuning merged" in line for line in lines)  # the merge also wins the start
