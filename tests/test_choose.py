@@ -151,17 +151,16 @@ def test_regmean_skips_a_nan_alpha_and_keeps_the_earlier_of_a_tie() -> None:
 
 
 def test_fedfisher_skips_nan_checkpoints() -> None:
-    from fedfiot_flwr.baselines import fedfisher_diag
+    from fedfiot_flwr.baselines import FedFisherOptions, fedfisher_diag
 
     rng = np.random.default_rng(1)
     models = [{"w": rng.normal(size=(3, 2))} for _ in range(2)]
     fishers = [{"w": np.abs(rng.normal(size=(3, 2))) + 0.1} for _ in range(2)]
     scores = iter([NAN, 0.2, NAN, 0.2])
-    res = fedfisher_diag(models, fishers, [4, 6], steps=30, eval_every=10, evaluate=lambda m: next(scores),
-                         dtype=torch.float64, device="cpu")
+    options = FedFisherOptions(steps=30, eval_every=10, device="cpu")
+    res = fedfisher_diag(models, fishers, [4, 6], options, evaluate=lambda m: next(scores), dtype=torch.float64)
     assert (res.best_step, res.best_score) == (10, 0.2)
-    nan_only = fedfisher_diag(models, fishers, [4, 6], steps=30, eval_every=10, evaluate=lambda m: NAN,
-                              dtype=torch.float64, device="cpu")
+    nan_only = fedfisher_diag(models, fishers, [4, 6], options, evaluate=lambda m: NAN, dtype=torch.float64)
     assert nan_only.best_step == 0 and math.isnan(nan_only.best_score)  # the size-weighted average
 
 

@@ -13,12 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from fedfiot_flwr.merge import PermutationSpec, spec_from_module
 from fedfiot_flwr.refine.options import RefineOptions
-from fedfiot_flwr.server.aggregators import (
-    FedFiOTAggregator,
-    FedFisherAggregator,
-    FedFisherOptions,
-    RegMeanAggregator,
-)
+from fedfiot_flwr.baselines.fedfisher_options import FedFisherOptions
+from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.shell import MergeStrategy, ValidateFn, check_model, show_package_logs
 
@@ -163,7 +159,7 @@ class FedFisherStrategy(MergeStrategy):
     variant : {"kfac", "diag"}
         Kronecker-factored or diagonal Fishers.
     **options
-        FedFisher's knobs, the fields of :class:`~fedfiot_flwr.server.aggregators.FedFisherOptions`
+        FedFisher's knobs, the fields of :class:`~fedfiot_flwr.baselines.FedFisherOptions`
         (``steps``, ``lr``, ``eval_every``, ``optimizer``, ``fisher_scaling``, ``damping``,
         ``fisher_kind``, ``selection_metric``, ``device``), and
         :class:`~fedfiot_flwr.server.shell.MergeStrategy`'s options (``model``, ``validate_fn`` or
