@@ -12,7 +12,9 @@ Run with ``flwr run .`` (see the README); every knob is a ``[tool.flwr.app.confi
 from __future__ import annotations
 
 import json
-from logging import INFO
+import time
+from collections.abc import Mapping
+from logging import ERROR, INFO
 from typing import Any
 
 import torch
@@ -28,9 +30,14 @@ from fedfiot_flwr.refine import RefineOptions
 from fedfiot_flwr.server import FedFiOT, FedFiOTConfig, FedFisherStrategy, MergeStrategy, RegMeanStrategy, RunRecorder
 from fedfiot_flwr.server.nodes import NodeWaiter
 from fedfiot_flwr.server.selection import SweepGrid
+from fedfiot_flwr.server.uploads import TooFewValidReplies
 from fedfiot_flwr.task import evaluate
 
 app = ServerApp()
+
+
+class RunFailed(RuntimeError):
+    """A run that cannot go on, for a reason the user can act on; its results file already says so."""
 
 
 def _evaluator(cfg: AppConfig, model: torch.nn.Module, loader: DataLoader, device: torch.device):
@@ -49,7 +56,7 @@ def _resolve_federation(grid: Grid, cfg: AppConfig) -> AppConfig:
 
     Raises
     ------
-    RuntimeError
+    RunFailed
         If no SuperNode (``num-partitions = 0``) or fewer than the fixed K connected within
         ``node-wait-s``; the run's results file is marked failed with the same message.
     """
@@ -73,7 +80,7 @@ def _resolve_federation(grid: Grid, cfg: AppConfig) -> AppConfig:
             "num-partitions=0 to use every SuperNode that connects"
         )
     RunRecorder.create(cfg.results_dir, cfg.default_run_name(), {"app": cfg.as_dict()}).finish(error=msg)
-    raise RuntimeError(msg)
+    raise RunFailed(msg)
 
 
 STRATEGY_LABELS = {"fedfiot": "FedFiOT", "fedfisher-kfac": "FedFisher (K-FAC)", "fedfisher-diag": "FedFisher (diag)",
@@ -132,10 +139,44 @@ def build_strategy(
     return RegMeanStrategy(**common)
 
 
+def _record_bad_config(run_config: Mapping[str, Any], error: str) -> str:
+    """Mark a run whose ``--run-config`` was refused as failed; return where (or why not)."""
+    results_dir = str(run_config.get("results-dir") or AppConfig.results_dir)
+    run_name = str(run_config.get("run-name") or f"bad-run-config-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        recorder = RunRecorder.create(results_dir, run_name, {"app": dict(run_config)})
+        recorder.finish(error=error)
+    except (OSError, ValueError) as exc:
+        return f"no results file: {exc}"
+    return str(recorder.path)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Build the data split, the model and the strategy, run it recorded, and report it against FedAvg."""
-    cfg = _resolve_federation(grid, AppConfig.from_run_config(context.run_config))
+    """Run the app; a refused run config or a round without enough valid replies ends the run with one line.
+
+    The results file is marked failed with the same reason, and the line is the run's last, without a
+    traceback (a bug in the app still raises, with its traceback).
+    """
+    try:
+        run(grid, context)
+    except RunFailed as exc:
+        log(ERROR, "FedFiOT run failed: %s", exc)
+
+
+def run(grid: Grid, context: Context) -> None:
+    """Build the data split, the model and the strategy, run it recorded, and report it against FedAvg.
+
+    Raises
+    ------
+    RunFailed
+        For a refused run config, too few SuperNodes, or a round left with too few valid replies.
+    """
+    try:
+        cfg = AppConfig.from_run_config(context.run_config)
+    except ValueError as exc:
+        raise RunFailed(f"{exc} (results: {_record_bad_config(context.run_config, str(exc))})") from None
+    cfg = _resolve_federation(grid, cfg)
     device = default_device()
     split = cfg.split()
     model = cfg.build_model(split)
@@ -162,14 +203,17 @@ def main(grid: Grid, context: Context) -> None:
             "seed": cfg.seed,
         }
     )
-    recorder.run(
-        strategy,
-        grid=grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=cfg.num_server_rounds,
-        train_config=train_config,
-        evaluate_fn=test_fn,
-    )
+    try:
+        recorder.run(
+            strategy,
+            grid=grid,
+            initial_arrays=ArrayRecord(model.state_dict()),
+            num_rounds=cfg.num_server_rounds,
+            train_config=train_config,
+            evaluate_fn=test_fn,
+        )
+    except TooFewValidReplies as exc:
+        raise RunFailed(f"{exc} (results: {recorder.path})") from None
     final = recorder.data["final"]
     ours = (final.get("test") or {}).get("accuracy")
     base = (final.get("fedavg_test") or {}).get("accuracy")

@@ -184,13 +184,13 @@ def kfac_section(k: int, steps: int, repeats: int, threads: int) -> dict[str, An
     """Dense factors against their roots, interleaved; the models' largest relative difference."""
     import torch
 
-    from fedfiot_flwr.baselines import fedfisher_kfac
+    from fedfiot_flwr.baselines import FedFisherOptions, fedfisher_kfac
     from fedfiot_flwr.baselines.fedfisher import kfac_plan
 
     torch.set_num_threads(threads)
     models, factors, sizes, info = kfac_uploads(k)
     plans = {name: kfac_plan(s["d_out"], s["d_in"], s["rank_A"], s["rank_G"]) for name, s in info["layers"].items()}
-    kw = {"steps": steps, "eval_every": 100, "device": "cpu", "checked": True}
+    kw = {"options": FedFisherOptions(steps=steps, eval_every=100, device="cpu"), "checked": True}
     runs: dict[str, list[tuple[float, float]]] = {"dense": [], "roots": []}
     results: dict[str, Any] = {}
     load = [_load()]

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Subset
 from benchmarks import harness as H
 from benchmarks import server_methods as S
 from fedfiot_flwr.refine.stage import split_folds
-from fedfiot_flwr.refine import RefineOptions, RefineReport, refine_merged_model
+from fedfiot_flwr.refine import ClientModels, Folds, RefineOptions, RefineReport, refine_merged_model
 
 
 def three_folds(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -49,9 +49,9 @@ class AuditCell:
         perms = self.outcome.engine_result.permutations if self.outcome.variant == "aligned" else None
         q = self.uploads.quantized
         return refine_merged_model(
-            self.outcome.model, q.weights, self.build(), DataLoader(self.folds["fit"], batch_size=500),
-            DataLoader(self.folds["select"], batch_size=500), spec=self.spec, permutations=perms,
-            num_examples=q.num_examples, options=replace(options, seed=self.setting.seed))
+            self.outcome.model, ClientModels(q.weights, self.spec, perms, q.num_examples), self.build(),
+            Folds(DataLoader(self.folds["fit"], batch_size=500), DataLoader(self.folds["select"], batch_size=500)),
+            options=replace(options, seed=self.setting.seed))
 
     def scores(self, model: dict[str, np.ndarray]) -> tuple[float, float]:
         """``(audit accuracy, test accuracy)`` of a model."""

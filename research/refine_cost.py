@@ -7,7 +7,7 @@ of them, and splits the server's 500 validation examples as ``audit_folds.py`` d
 125-example audit fold that neither fits nor selects. The refinement then runs once per path,
 the paths interleaved (their order rotates from cell to cell):
 
-- ``reference``: ``refine_merged_model(..., reference=True)`` with the recipe of ``TODAY`` (20
+- ``reference``: ``RefineOptions(reference=True)`` with the recipe of ``TODAY`` (20
   epochs, 8 augmented copies, batches of 50): separate forward passes for the label weights,
   the layer targets and the teacher, every refit's sums computed afresh over whole forward
   passes, the default memory layout, ``torch.no_grad``;
@@ -52,7 +52,7 @@ from benchmarks.resnet import subset_cache, subset_uploads  # noqa: E402
 from research import RESULTS_DIR  # noqa: E402
 from research.audit_folds import three_folds  # noqa: E402
 from fedfiot_flwr.baselines import size_weighted_average  # noqa: E402
-from fedfiot_flwr.refine import RefineOptions, refine_merged_model  # noqa: E402
+from fedfiot_flwr.refine import ClientModels, Folds, RefineOptions, refine_merged_model  # noqa: E402
 
 TODAY = replace(RefineOptions(), finetune_epochs=20, augment_copies=8, finetune_batch=50, fisher_anchor=())
 """The recipe the reference path runs: 20 epochs of distillation on 8 augmented copies, batches of 50,
@@ -142,9 +142,9 @@ def run_path(cell: Cell, path: Variant) -> dict[str, Any]:
     fit = DataLoader(cell.folds["fit"], batch_size=500)
     select = DataLoader(cell.folds["select"], batch_size=500)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    model, report = refine_merged_model(cell.start, cell.clients, cell.build(), fit, select,
-                                        num_examples=cell.num_examples, options=options, reference=path.reference,
-                                        fishers=cell.fishers)
+    clients = ClientModels(cell.clients, num_examples=cell.num_examples, fishers=cell.fishers)
+    model, report = refine_merged_model(cell.start, clients, cell.build(), Folds(fit, select),
+                                        options=replace(options, reference=path.reference))
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     audit = cell.audit.validate(model)
     return {"cpu_seconds": cpu, "wall_seconds": wall, "returned": report.chosen,

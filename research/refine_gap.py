@@ -39,7 +39,7 @@ from benchmarks import harness as H  # noqa: E402
 from benchmarks import server_methods as S  # noqa: E402
 from research import RESULTS_DIR  # noqa: E402
 from fedfiot_flwr.merge import merge  # noqa: E402
-from fedfiot_flwr.refine import RefineOptions, refine_merged_model  # noqa: E402
+from fedfiot_flwr.refine import ClientModels, Folds, RefineOptions, refine_merged_model  # noqa: E402
 
 
 def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
@@ -71,8 +71,8 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[
 
     def group(name: str, merged: dict[str, np.ndarray], permutations: Any, options: RefineOptions) -> None:
         t = time.perf_counter()
-        _, report = refine_merged_model(merged, q.weights, build(), fit_loader, select_loader, spec=spec,
-                                        permutations=permutations, num_examples=q.num_examples, options=options)
+        _, report = refine_merged_model(merged, ClientModels(q.weights, spec, permutations, q.num_examples), build(),
+                                        Folds(fit_loader, select_loader), options=options)
         per = (time.perf_counter() - t) / max(1, len(report.candidates) - 1)
         for variant, model in report.candidates.items():
             if variant == "merged":

@@ -20,7 +20,7 @@ from torch import nn
 
 from fedfiot_flwr import FedFiOT, FedFisherStrategy, RegMeanStrategy
 from fedfiot_flwr.app_config import AppConfig
-from fedfiot_flwr.baselines import fedfisher_diag, fedfisher_kfac, regmean_select
+from fedfiot_flwr.baselines import FedFisherOptions, fedfisher_diag, fedfisher_kfac, regmean_select
 from fedfiot_flwr.client import curvature_reply
 from fedfiot_flwr.server import MergeStrategy, RunRecorder
 from fedfiot_flwr.server.shell import arrays_to_numpy, numpy_to_arrays
@@ -116,7 +116,7 @@ def test_fedfisher_kfac_aggregate_train_equals_the_core_merge() -> None:
     arrays, _ = _round(strategy, _numbered(contents))
     ups = [unpack_curvature_reply(c) for c in contents]
     expected = fedfisher_kfac([u.weights for u in ups], [u.factors for u in ups], [u.num_examples for u in ups],
-                              steps=30, eval_every=10, evaluate=_score, device="cpu")
+                              FedFisherOptions(steps=30, eval_every=10, device="cpu"), evaluate=_score)
     _assert_same(arrays_to_numpy(arrays), expected.model)
     metrics = strategy.server_metrics[1]
     assert metrics["num-valid"] == 3 and metrics["num-rejected"] == 0 and metrics["best-step"] == expected.best_step
@@ -138,7 +138,7 @@ def test_fedfisher_diag_aggregate_train_equals_the_core_merge() -> None:
     metrics = strategy.server_metrics[1]
     ups = [unpack_reply(c) for c in contents]
     expected = fedfisher_diag([u.weights for u in ups], [u.fisher for u in ups], [u.num_examples for u in ups],
-                              steps=20, eval_every=5, evaluate=_score, device="cpu")
+                              FedFisherOptions(steps=20, eval_every=5, device="cpu"), evaluate=_score)
     _assert_same(arrays_to_numpy(arrays), expected.model)
     assert metrics["best-step"] == expected.best_step
     # FedAvg of the same uploads is reported next to it (fedavg_baseline=True by default).
@@ -184,7 +184,7 @@ def test_broken_replies_are_excluded_and_named() -> None:
                                   (3, good[2]), (14, crashed)])
     ups = [unpack_curvature_reply(c) for c in good]
     expected = fedfisher_kfac([u.weights for u in ups], [u.factors for u in ups], [u.num_examples for u in ups],
-                              steps=10, eval_every=5, device="cpu")
+                              FedFisherOptions(steps=10, eval_every=5, device="cpu"))
     _assert_same(arrays_to_numpy(arrays), expected.model)
     assert strategy.server_metrics[1]["num-valid"] == 3 and strategy.server_metrics[1]["num-rejected"] == 4
     rejected = {r["client"]: r["reason"] for r in strategy.reports[0]["rejected"]}
@@ -352,7 +352,7 @@ def test_benchmark_runs_the_baselines_on_digits(tmp_path: Path) -> None:
 
 
 def test_the_fedfisher_strategy_hands_its_knobs_to_the_aggregator_unchanged() -> None:
-    from fedfiot_flwr.server.aggregators import FedFisherOptions
+    from fedfiot_flwr.baselines import FedFisherOptions
 
     strategy = FedFisherStrategy("diag", lr=0.5, damping=0.1, eval_every=7, fraction_evaluate=0.5)
     assert strategy.aggregator.options == FedFisherOptions("diag", lr=0.5, damping=0.1, eval_every=7)

@@ -151,17 +151,16 @@ def test_regmean_skips_a_nan_alpha_and_keeps_the_earlier_of_a_tie() -> None:
 
 
 def test_fedfisher_skips_nan_checkpoints() -> None:
-    from fedfiot_flwr.baselines import fedfisher_diag
+    from fedfiot_flwr.baselines import FedFisherOptions, fedfisher_diag
 
     rng = np.random.default_rng(1)
     models = [{"w": rng.normal(size=(3, 2))} for _ in range(2)]
     fishers = [{"w": np.abs(rng.normal(size=(3, 2))) + 0.1} for _ in range(2)]
     scores = iter([NAN, 0.2, NAN, 0.2])
-    res = fedfisher_diag(models, fishers, [4, 6], steps=30, eval_every=10, evaluate=lambda m: next(scores),
-                         dtype=torch.float64, device="cpu")
+    options = FedFisherOptions(steps=30, eval_every=10, device="cpu")
+    res = fedfisher_diag(models, fishers, [4, 6], options, evaluate=lambda m: next(scores), dtype=torch.float64)
     assert (res.best_step, res.best_score) == (10, 0.2)
-    nan_only = fedfisher_diag(models, fishers, [4, 6], steps=30, eval_every=10, evaluate=lambda m: NAN,
-                              dtype=torch.float64, device="cpu")
+    nan_only = fedfisher_diag(models, fishers, [4, 6], options, evaluate=lambda m: NAN, dtype=torch.float64)
     assert nan_only.best_step == 0 and math.isnan(nan_only.best_score)  # the size-weighted average
 
 
@@ -169,7 +168,7 @@ def test_the_refinement_keeps_the_merge_and_starts_from_it_on_a_tie(monkeypatch:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from fedfiot_flwr.refine import RefineOptions, candidates, refine_merged_model
+    from fedfiot_flwr.refine import Folds, RefineOptions, candidates, refine_merged_model
 
     monkeypatch.setattr(candidates, "_accuracy", lambda model, loader: 0.5)  # every candidate ties
     torch.manual_seed(0)
@@ -180,7 +179,7 @@ def test_the_refinement_keeps_the_merge_and_starts_from_it_on_a_tie(monkeypatch:
     loader = DataLoader(TensorDataset(torch.randn(12, 4), torch.arange(12) % 3), batch_size=6)
     lines: list[str] = []
     options = RefineOptions(ridges=(0.1, 1.0), finetune_epochs=1, augment_copies=0, offer_starts=True)
-    _, report = refine_merged_model(merged, clients, net, loader, loader, options=options, log=lines.append)
+    _, report = refine_merged_model(merged, clients, net, Folds(loader, loader), options=options, log=lines.append)
     assert {"ls-r0.1", "ft1(merged)", "client-1"} <= set(report.selection_accuracy)
     assert report.chosen == "merged"
     assert any("fine-tuning merged" in line for line in lines)  # the merge also wins the start

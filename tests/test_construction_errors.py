@@ -65,6 +65,13 @@ def test_the_baselines_and_the_legacy_form_check_the_same_way() -> None:
         RefineOptions(finetune_schedule="cosin")
 
 
+def test_the_legacy_form_names_the_message_api_options_it_does_not_take() -> None:
+    with pytest.raises(TypeError, match="FedFiOTLegacy: node_wait_s is an option of the Message-API FedFiOT only"):
+        FedFiOTLegacy(model=Net(), node_wait_s=5.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fraction_train'"):
+        FedFiOTLegacy(model=Net(), fraction_train=0.5)  # a Message-API FedAvg option: Flower's own error
+
+
 def test_start_returns_flowers_result_with_the_aggregation_metrics_and_prints_them(caplog) -> None:
     rng = np.random.default_rng(2)
 

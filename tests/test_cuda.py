@@ -19,7 +19,7 @@ from fedfiot_flwr.fisher import diagonal_fisher
 from fedfiot_flwr.merge import MergeSpeed, merge
 from fedfiot_flwr.models import build_model, permutation_spec
 from fedfiot_flwr.refine import RefineOptions
-from fedfiot_flwr.refine.candidates import refine_merged_model
+from fedfiot_flwr.refine.candidates import ClientModels, Folds, refine_merged_model
 from fedfiot_flwr.refine.stage import RefinementStage, split_folds
 from fedfiot_flwr.task import train
 
@@ -101,8 +101,8 @@ def test_least_squares_refinement_on_cuda_matches_the_cpu() -> None:
     results = {}
     for device in ("cpu", "cuda"):
         module = build_model("lenet", SHAPE, 10, seed=0).to(device)
-        results[device] = refine_merged_model(merged.model, models, module, *loaders, spec=spec,
-                                              permutations=merged.permutations, num_examples=sizes, options=options)
+        results[device] = refine_merged_model(merged.model, ClientModels(models, spec, merged.permutations, sizes),
+                                              module, Folds(*loaders), options=options)
     (cpu_model, cpu_rep), (gpu_model, gpu_rep) = results["cpu"], results["cuda"]
     assert gpu_rep.candidates.keys() == cpu_rep.candidates.keys()
     for name, cand in cpu_rep.candidates.items():

@@ -7,7 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from fedfiot_flwr.baselines import fedfisher_diag, fedfisher_kfac, kfac_quadratic, size_weighted_average
+from fedfiot_flwr.baselines import (
+    FedFisherOptions,
+    fedfisher_diag,
+    fedfisher_kfac,
+    kfac_quadratic,
+    size_weighted_average,
+)
 from fedfiot_flwr.curvature import KFACFactors, kfac_factors
 
 RNG = np.random.default_rng(0)
@@ -55,7 +61,8 @@ def test_kfac_merge_reaches_the_minimiser_of_the_kronecker_objective(optimizer: 
         kron = np.kron(f["fc"].A, f["fc"].G)
         h, rhs = h + ck * kron, rhs + ck * kron @ np.c_[m["fc.weight"], m["fc.bias"]].flatten(order="F")
     want = np.linalg.solve(h, rhs).reshape(5, 3).T
-    res = fedfisher_kfac(models, factors, n, steps=2000, optimizer=optimizer, dtype=torch.float64, device="cpu")
+    res = fedfisher_kfac(models, factors, n, FedFisherOptions(steps=2000, optimizer=optimizer, device="cpu"),
+                         dtype=torch.float64)
     np.testing.assert_allclose(res.model["fc.weight"], want[:, :4], atol=1e-8)
     np.testing.assert_allclose(res.model["fc.bias"], want[:, 4], atol=1e-8)
     # Tensors without factors stay at the size-weighted average.
@@ -86,12 +93,12 @@ def test_first_steps_follow_fedfishers_update_rule(variant: str) -> None:
             g = sum(ck * f["fc.weight"] * (w - m["fc.weight"]) for ck, f, m in zip(c, fishers, models))
         m_, v_ = g + 0.9 * m_, g * g + 0.99 * v_
         w = w - 0.01 * m_ / (np.sqrt(v_ + 0.01) if variant == "kfac" else np.sqrt(v_) + 0.01)
-    kw = dict(steps=2, dtype=torch.float64, device="cpu")
+    options = FedFisherOptions(steps=2, device="cpu")
     if variant == "kfac":
         only_fc = [{"fc": f["fc"]} for f in factors]
-        got = fedfisher_kfac(models, only_fc, n, **kw).model
+        got = fedfisher_kfac(models, only_fc, n, options, dtype=torch.float64).model
     else:
-        got = fedfisher_diag(models, fishers, n, **kw).model
+        got = fedfisher_diag(models, fishers, n, options, dtype=torch.float64).model
     np.testing.assert_allclose(got["fc.weight"], w[:, :4], rtol=1e-12, atol=1e-14)
     if variant == "kfac":  # the bias is the last column of the layer matrix and moves with it
         np.testing.assert_allclose(got["fc.bias"], w[:, 4], rtol=1e-12, atol=1e-14)
@@ -103,7 +110,7 @@ def test_identical_clients_and_a_single_client_return_that_model(variant: str) -
     fishers = [{k: np.abs(v) for k, v in m.items() if k != "bn.running_mean"} for m in models]
 
     def run(ms: list[dict], idx: list[int]) -> dict:
-        kw = dict(steps=300, eval_every=100, dtype=torch.float64, device="cpu")
+        kw = dict(options=FedFisherOptions(steps=300, eval_every=100, device="cpu"), dtype=torch.float64)
         if variant == "kfac":
             return fedfisher_kfac(ms, [factors[i] for i in idx], [5 * (i + 1) for i in idx], **kw).model
         return fedfisher_diag(ms, [fishers[i] for i in idx], [5 * (i + 1) for i in idx], **kw).model
@@ -124,8 +131,8 @@ def test_checkpoints_every_eval_every_steps_and_the_best_one_is_kept() -> None:
         seen.append(model)
         return next(scores)
 
-    res = fedfisher_kfac(models, factors, n, steps=350, eval_every=100, evaluate=evaluate,
-                         dtype=torch.float64, device="cpu")
+    res = fedfisher_kfac(models, factors, n, FedFisherOptions(steps=350, eval_every=100, device="cpu"),
+                         evaluate=evaluate, dtype=torch.float64)
     assert [h["step"] for h in res.history] == [0, 100, 200, 300, 350]
     assert res.best_step == 200 and res.best_score == 0.9  # ties go to the earlier step
     for name in seen[2]:
@@ -137,7 +144,8 @@ def test_checkpoints_every_eval_every_steps_and_the_best_one_is_kept() -> None:
 def test_diag_merge_converges_to_the_fisher_weighted_average() -> None:
     models, _, n = _clients()
     fishers = [{k: np.abs(v) + 0.5 for k, v in m.items() if k.startswith("fc")} for m in models]
-    res = fedfisher_diag(models, fishers, n, steps=2000, fisher_scaling="none", dtype=torch.float64, device="cpu")
+    res = fedfisher_diag(models, fishers, n, FedFisherOptions(steps=2000, fisher_scaling="none", device="cpu"),
+                         dtype=torch.float64)
     for name in fishers[0]:
         want = sum(f[name] * m[name] for f, m in zip(fishers, models)) / sum(f[name] for f in fishers)
         np.testing.assert_allclose(res.model[name], want, atol=1e-6)
@@ -150,15 +158,15 @@ def test_bad_inputs_name_the_client_and_layer() -> None:
     bad = [dict(f) for f in factors]
     bad[1]["fc"] = KFACFactors("fc.weight", "fc.bias", _psd(4), _psd(3))  # A lacks the bias column
     with pytest.raises(ValueError, match=r"client b, layer 'fc': factor A has shape \(4, 4\), expected \(5, 5\)"):
-        fedfisher_kfac(models, bad, n, steps=1, client_ids=["a", "b", "c"])
+        fedfisher_kfac(models, bad, n, FedFisherOptions(steps=1), client_ids=["a", "b", "c"])
     renamed = [dict(f) for f in factors]
     renamed[2]["fc"] = KFACFactors("fc.weight", None, _psd(4), _psd(3))
     with pytest.raises(ValueError, match="client 2, layer 'fc': weight/bias names differ"):
-        fedfisher_kfac(models, renamed, n, steps=1, checked=True)  # decoded uploads: names are still checked
+        fedfisher_kfac(models, renamed, n, FedFisherOptions(steps=1), checked=True)  # decoded uploads: names are still checked
     with pytest.raises(ValueError, match="client 2: num_examples"):
-        fedfisher_kfac(models, factors, [1, 2, 0], steps=1)
+        fedfisher_kfac(models, factors, [1, 2, 0], FedFisherOptions(steps=1))
     fishers = [{"fc.weight": -np.ones((3, 4))} for _ in models]
     with pytest.raises(ValueError, match="client 0, tensor 'fc.weight': the Fisher must be finite and non-negative"):
-        fedfisher_diag(models, fishers, n, steps=1)
+        fedfisher_diag(models, fishers, n, FedFisherOptions(steps=1))
     with pytest.raises(ValueError, match="scaling"):
-        fedfisher_kfac(models, factors, n, steps=1, fisher_scaling="sqrt")
+        fedfisher_kfac(models, factors, n, FedFisherOptions(steps=1, fisher_scaling="sqrt"))

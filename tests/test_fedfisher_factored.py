@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedfiot_flwr.baselines import fedfisher_kfac
+from fedfiot_flwr.baselines import FedFisherOptions, fedfisher_kfac
 from fedfiot_flwr.baselines.fedfisher import _KFACLayer, kfac_plan
 from fedfiot_flwr.psd import KFACFactors
 from fedfiot_flwr.wire import pack_kfac_reply, unpack_curvature_reply
@@ -83,7 +83,7 @@ def test_the_plans_are_the_cheapest_products() -> None:
 @pytest.mark.parametrize("dtype, rtol, steps", [(torch.float64, 1e-9, 300), (torch.float32, 1e-5, 300)])
 def test_low_rank_roots_give_the_dense_merge(layer: str, dtype: torch.dtype, rtol: float, steps: int) -> None:
     models, factors, n = _clients(layer)
-    kw = {"steps": steps, "eval_every": 50, "dtype": dtype, "device": "cpu"}
+    kw = {"options": FedFisherOptions(steps=steps, eval_every=50, device="cpu"), "dtype": dtype}
     dense = fedfisher_kfac(models, factors, n, low_rank=False, **kw)
     rooted = fedfisher_kfac(models, factors, n, **kw)
     moved = float(np.max(np.abs(dense.model["fc.weight"] - dense.initial_model["fc.weight"])))
@@ -97,13 +97,13 @@ def test_low_rank_roots_give_the_dense_merge(layer: str, dtype: torch.dtype, rto
 @pytest.mark.parametrize("options", [{"damping": 0.3}, {"optimizer": "adam"}, {"fisher_scaling": "none"}])
 def test_low_rank_roots_with_damping_adam_and_uniform_weights(options: dict) -> None:
     models, factors, n = _clients("both sides", seed=1)
-    kw = {"steps": 200, "eval_every": 40, "dtype": torch.float64, "device": "cpu", **options}
+    kw = {"options": FedFisherOptions(steps=200, eval_every=40, device="cpu", **options), "dtype": torch.float64}
     _close(fedfisher_kfac(models, factors, n, low_rank=False, **kw), fedfisher_kfac(models, factors, n, **kw), 1e-9)
 
 
 def test_clients_with_different_ranks_are_padded() -> None:
     models, factors, n = _clients("input side", ranks=[3, 5, 1])
-    kw = {"steps": 150, "eval_every": 50, "dtype": torch.float64, "device": "cpu"}
+    kw = {"options": FedFisherOptions(steps=150, eval_every=50, device="cpu"), "dtype": torch.float64}
     _close(fedfisher_kfac(models, factors, n, low_rank=False, **kw), fedfisher_kfac(models, factors, n, **kw), 1e-9)
 
 
@@ -146,7 +146,7 @@ def test_decoded_uploads_carry_the_roots_and_merge_as_the_dense_factors() -> Non
         decoded.append(up.factors)
     assert kfac_plan(d_out, d_w + 1, 6, 6)[0] == "A"
     n = [10, 20, 30]
-    kw = {"steps": 300, "eval_every": 100, "device": "cpu", "checked": True}
+    kw = {"options": FedFisherOptions(steps=300, eval_every=100, device="cpu"), "checked": True}
     _close(fedfisher_kfac(models, decoded, n, low_rank=False, **kw), fedfisher_kfac(models, decoded, n, **kw), 1e-5)
 
 
@@ -155,13 +155,13 @@ def test_a_root_that_does_not_reproduce_its_factor_is_rejected() -> None:
     f = factors[1]["fc"]
     factors[1] = {"fc": KFACFactors(f.weight, f.bias, f.A, f.G, A_root=f.A_root * 1.1)}
     with pytest.raises(ValueError, match=r"client 1, layer 'fc': root of factor A does not reproduce"):
-        fedfisher_kfac(models, factors, n, steps=1)
+        fedfisher_kfac(models, factors, n, FedFisherOptions(steps=1))
     factors[1] = {"fc": KFACFactors(f.weight, f.bias, f.A, f.G, A_root=f.A_root[:-1])}
     with pytest.raises(ValueError, match="root of factor A has shape"):
-        fedfisher_kfac(models, factors, n, steps=1)
+        fedfisher_kfac(models, factors, n, FedFisherOptions(steps=1))
     factors[1] = {"fc": KFACFactors(f.weight, f.bias, f.A, f.G, A_root=np.full_like(f.A_root, np.nan))}
     with pytest.raises(ValueError, match="NaN"):
-        fedfisher_kfac(models, factors, n, steps=1)
+        fedfisher_kfac(models, factors, n, FedFisherOptions(steps=1))
 
 
 @pytest.mark.parametrize("module", ["fedfiot_flwr.baselines.fedfisher", "fedfiot_flwr.psd"])

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedfiot_flwr.merge.spec import apply_permutations
 from fedfiot_flwr.models import build_model, permutation_spec
-from fedfiot_flwr.refine import RefineOptions, refine_merged_model
+from fedfiot_flwr.refine import ClientModels, Folds, RefineOptions, refine_merged_model
 from fedfiot_flwr.refine.candidates import align_clients
 from fedfiot_flwr.refine.finetune import laplace_anchor
 
@@ -79,8 +79,8 @@ def _refine(options: RefineOptions, fishers: list[dict[str, np.ndarray]] | None)
     clients = [_state(build_model("mlp", (1, 8, 8), 10, seed=i)) for i in range(3)]
     merged = {k: np.mean([c[k] for c in clients], axis=0) for k in clients[0]}
     model = build_model("mlp", (1, 8, 8), 10, seed=0)
-    out = refine_merged_model(merged, clients, model, _loader(60, 1), _loader(60, 2), num_examples=[40, 40, 40],
-                              options=options, fishers=fishers)
+    out = refine_merged_model(merged, ClientModels(clients, num_examples=[40, 40, 40], fishers=fishers), model,
+                              Folds(_loader(60, 1), _loader(60, 2)), options=options)
     return clients, out
 
 

@@ -14,7 +14,7 @@ from fedfiot_flwr.fisher import output_vectors
 from fedfiot_flwr.merge import merge
 from fedfiot_flwr.refine.linalg import LayerMoments, NeuronStats, reconstruction_error, repair_rescale, ridge_refit
 from fedfiot_flwr.models import build_model, permutation_spec
-from fedfiot_flwr.refine import RefineOptions, refine_merged_model
+from fedfiot_flwr.refine import ClientModels, Folds, RefineOptions, refine_merged_model
 from fedfiot_flwr.refine.finetune import distill_finetune
 from fedfiot_flwr.refine.ops import (
     add_rows,
@@ -150,11 +150,11 @@ def test_refinement_never_fits_on_the_selection_fold() -> None:
     opts = RefineOptions(ridges=(1e-2,), repair=True, client_candidates=False, keep_candidates=True,
                          finetune_epochs=2, augment_copies=1)
     fit = _loader(200, 5)
-    clean, rep_clean = refine_merged_model(res.model, clients, model, fit, _loader(100, 6), spec=spec,
-                                           permutations=res.permutations, options=opts)
+    aligned = ClientModels(clients, spec, res.permutations)
+    clean, rep_clean = refine_merged_model(res.model, aligned, model, Folds(fit, _loader(100, 6)), options=opts)
     # NaN in every selection example: a fit that touched it would raise (non-finite rows).
-    _, rep_poison = refine_merged_model(res.model, clients, model, fit, _loader(100, 6, poison=True), spec=spec,
-                                        permutations=res.permutations, options=opts)
+    _, rep_poison = refine_merged_model(res.model, aligned, model, Folds(fit, _loader(100, 6, poison=True)),
+                                        options=opts)
     tuned = [n for n in rep_clean.candidates if n.startswith("ft")]
     assert tuned  # fine-tuned checkpoints were offered
     for name in ("repair", "ls-r0.01", "repair+ls-r0.01", *tuned):
@@ -173,7 +173,7 @@ def test_refine_offers_clients_and_picks_the_best_on_selection() -> None:
     teacher.load_state_dict({k: torch.as_tensor(v) for k, v in clients[1].items()})
     y = teacher(x).argmax(1).detach()  # client 1 is right on every selection example
     select = DataLoader(TensorDataset(x, y), batch_size=64)
-    out, rep = refine_merged_model(merged, clients, model, _loader(100, 8), select,
+    out, rep = refine_merged_model(merged, clients, model, Folds(_loader(100, 8), select),
                                    options=RefineOptions(ridges=(), client_candidates=True, finetune_epochs=0))
     assert rep.chosen == "client-1" and rep.selection_accuracy["client-1"] == 1.0
     np.testing.assert_array_equal(out["fc1.weight"], clients[1]["fc1.weight"])
@@ -203,13 +203,13 @@ def test_refit_keeps_the_choice_and_rebuilds_the_recipe_on_both_folds(epochs: in
     fit, select = _ensemble_loader(clients, 200, 5), _ensemble_loader(clients, 100, 6)
     opts = RefineOptions(ridges=(1e-3,), client_candidates=False, finetune_epochs=epochs, augment_copies=1,
                          keep_candidates=True)
-    plain, rep_plain = refine_merged_model(merged, clients, model, fit, select, options=opts)
-    refit, rep = refine_merged_model(merged, clients, model, fit, select, options=replace(opts, refit=True))
+    plain, rep_plain = refine_merged_model(merged, clients, model, Folds(fit, select), options=opts)
+    refit, rep = refine_merged_model(merged, clients, model, Folds(fit, select), options=replace(opts, refit=True))
     assert rep.chosen == rep_plain.chosen != "merged"
     assert rep.selection_accuracy == rep_plain.selection_accuracy
     assert rep_plain.refit_examples == 0 and rep.refit_examples == 300
     # The refit is the chosen recipe fitted on both folds' rows, as a run on their union builds it.
-    _, rep_union = refine_merged_model(merged, clients, model, _both_folds(fit, select), select, options=opts)
+    _, rep_union = refine_merged_model(merged, clients, model, Folds(_both_folds(fit, select), select), options=opts)
     for k in refit:
         np.testing.assert_array_equal(refit[k], rep_union.candidates[rep.chosen][k])
         np.testing.assert_array_equal(plain[k], rep_plain.candidates[rep.chosen][k])
@@ -253,8 +253,8 @@ def test_checkpoint_every_zero_offers_only_the_last_epoch() -> None:
     fit, select = _ensemble_loader(clients, 200, 5), _ensemble_loader(clients, 100, 6)
     opts = RefineOptions(ridges=(1e-3,), client_candidates=False, finetune_epochs=4, augment_copies=1,
                          finetune_schedule="cosine", checkpoint_every=2)
-    _, every2 = refine_merged_model(merged, clients, model, fit, select, options=opts)
-    _, final = refine_merged_model(merged, clients, model, fit, select, options=replace(opts, checkpoint_every=0))
+    _, every2 = refine_merged_model(merged, clients, model, Folds(fit, select), options=opts)
+    _, final = refine_merged_model(merged, clients, model, Folds(fit, select), options=replace(opts, checkpoint_every=0))
     assert sorted(n for n in every2.selection_accuracy if n.startswith("ft")) == ["ft2(ls-r0.001)", "ft4(ls-r0.001)"]
     assert [n for n in final.selection_accuracy if n.startswith("ft")] == ["ft4(ls-r0.001)"]
     assert final.selection_accuracy["ft4(ls-r0.001)"] == every2.selection_accuracy["ft4(ls-r0.001)"]
@@ -273,14 +273,14 @@ def test_starts_only_leaves_the_fine_tuned_model_to_compete_unless_it_diverges()
                          checkpoint_every=0, finetune_lr=1e-6, offer_starts=False)
     # A near-zero learning rate: the fine-tuned model is its start, so on the selection fold it ties
     # with the best least-squares candidate, and only the fine-tuned one may be returned.
-    out, rep = refine_merged_model(merged, clients, model, fit, select, options=opts)
+    out, rep = refine_merged_model(merged, clients, model, Folds(fit, select), options=opts)
     start = max(("ls-r0.001", "ls-r0.1"), key=lambda n: rep.selection_accuracy[n])
     assert rep.chosen == f"ft2({start})"
     assert {"ls-r0.001", "ls-r0.1"} <= set(rep.selection_accuracy)  # scored, to choose the start
-    _, offered = refine_merged_model(merged, clients, model, fit, select, options=replace(opts, offer_starts=True))
+    _, offered = refine_merged_model(merged, clients, model, Folds(fit, select), options=replace(opts, offer_starts=True))
     assert offered.chosen == start  # offered, the start wins the tie (it is scored first)
     # A fine-tuning that diverges at once yields no checkpoint: the starts compete after all.
-    diverged, rep_div = refine_merged_model(merged, clients, model, fit, select,
+    diverged, rep_div = refine_merged_model(merged, clients, model, Folds(fit, select),
                                             options=replace(opts, finetune_lr=1e30))
     assert not any(n.startswith("ft") for n in rep_div.selection_accuracy)
     assert rep_div.chosen == start and all(np.all(np.isfinite(v)) for v in diverged.values())
@@ -293,7 +293,7 @@ def test_refit_returns_a_chosen_client_or_merge_as_it_is() -> None:
     teacher.load_state_dict({k: torch.as_tensor(v) for k, v in clients[1].items()})
     select = DataLoader(TensorDataset(x, teacher(x).argmax(1).detach()), batch_size=64)
     merged = {k: np.zeros_like(v) for k, v in clients[0].items()}
-    out, rep = refine_merged_model(merged, clients, model, _loader(100, 8), select,
+    out, rep = refine_merged_model(merged, clients, model, Folds(_loader(100, 8), select),
                                    options=RefineOptions(ridges=(1e-2,), finetune_epochs=0, refit=True))
     assert rep.chosen == "client-1" and rep.refit_examples == 0
     np.testing.assert_array_equal(out["fc1.weight"], clients[1]["fc1.weight"])
@@ -303,8 +303,8 @@ def test_refine_rejects_mismatched_permutations() -> None:
     clients, model = _clients()
     spec = permutation_spec(model)
     with pytest.raises(ValueError, match="entries for 3 clients"):
-        refine_merged_model(clients[0], clients, model, _loader(50, 1), _loader(50, 2), spec=spec,
-                            permutations={"P0": [np.arange(128)] * 2})
+        refine_merged_model(clients[0], ClientModels(clients, spec, {"P0": [np.arange(128)] * 2}), model,
+                            Folds(_loader(50, 1), _loader(50, 2)))
 
 
 def test_recalibrate_batchnorm_sets_running_statistics_to_the_data() -> None:

@@ -2,12 +2,13 @@
 
 One forward pass per client for the label weights, the layer targets and the teacher; forward
 passes that end at the layer being refitted; the first layer's least-squares sums shared by the
-refits; ``torch.inference_mode`` where nothing is trained. ``refine_merged_model(...,
-reference=True)`` keeps the separate passes reachable, and these tests hold the two to float
+refits; ``torch.inference_mode`` where nothing is trained. ``RefineOptions(reference=True)`` keeps the separate passes reachable, and these tests hold the two to float
 tolerance on small fixed-seed problems.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedfiot_flwr.models import build_model, permutation_spec
-from fedfiot_flwr.refine import RefineOptions, refine_merged_model
+from fedfiot_flwr.refine import ClientModels, Folds, RefineOptions, refine_merged_model
 from fedfiot_flwr.refine.ops import (
     Capture,
     client_outputs,
@@ -129,8 +130,9 @@ def test_the_refinement_returns_the_reference_model(mode: str, arch: str, side: 
     opts = RefineOptions(ridges=(1e-2, 1e-1), repair=True, target_weights=mode, finetune_epochs=2,
                          augment_copies=2, checkpoint_every=1, keep_candidates=True, offer_starts=True,
                          finetune_lr=0.005)
-    runs = [refine_merged_model(_merged(clients), clients, model, _loader(120, 5, side), _loader(80, 6, side),
-                                spec=permutation_spec(model), options=opts, reference=reference)
+    runs = [refine_merged_model(_merged(clients), ClientModels(clients, permutation_spec(model)), model,
+                                Folds(_loader(120, 5, side), _loader(80, 6, side)),
+                                options=replace(opts, reference=reference))
             for reference in (True, False)]
     (ref_model, ref_rep), (new_model, new_rep) = runs
     assert new_rep.chosen == ref_rep.chosen
@@ -149,8 +151,8 @@ def test_the_refit_on_both_folds_returns_the_reference_model() -> None:
     clients = _clients()
     model = build_model("mlp", (1, 8, 8), 10)
     opts = RefineOptions(ridges=(1e-1,), finetune_epochs=1, augment_copies=1, client_candidates=False, refit=True)
-    runs = [refine_merged_model(_merged(clients), clients, model, _loader(100, 7), _loader(60, 8), options=opts,
-                                reference=reference) for reference in (True, False)]
+    runs = [refine_merged_model(_merged(clients), clients, model, Folds(_loader(100, 7), _loader(60, 8)),
+                                options=replace(opts, reference=reference)) for reference in (True, False)]
     assert runs[0][1].refit_examples == runs[1][1].refit_examples == 160
     for k, v in runs[0][0].items():
         np.testing.assert_allclose(runs[1][0][k], v, rtol=1e-4, atol=1e-5)
@@ -169,7 +171,7 @@ def test_the_fine_tuning_batch_sets_the_steps() -> None:
     def tuned(batch: int) -> dict[str, np.ndarray]:
         opts = RefineOptions(ridges=(), finetune_epochs=1, augment_copies=0, client_candidates=False,
                              keep_candidates=True, finetune_batch=batch, finetune_lr=0.05)
-        rep = refine_merged_model(_merged(clients), clients, model, _loader(120, 9), _loader(40, 10),
+        rep = refine_merged_model(_merged(clients), clients, model, Folds(_loader(120, 9), _loader(40, 10)),
                                   options=opts)[1]
         return rep.candidates["ft1(merged)"]
 

@@ -20,7 +20,7 @@ from fedfiot_flwr import FedFiOT, FedFiOTConfig, RefineOptions, RegMeanStrategy,
 from fedfiot_flwr.baselines import regmean_select, size_weighted_average
 from fedfiot_flwr.client import curvature_reply
 from fedfiot_flwr.merge import spec_from_module
-from fedfiot_flwr.refine import refine_merged_model
+from fedfiot_flwr.refine import ClientModels, Folds, refine_merged_model
 from fedfiot_flwr.refine.stage import RefinementStage, describe_candidate, split_folds
 from fedfiot_flwr.server import FedAvgAggregator, FedFiOTLegacy, MergeStrategy
 from fedfiot_flwr.server.aggregators import FedFiOTAggregator, RoundContext
@@ -92,9 +92,8 @@ def test_fedfiot_with_refine_returns_the_refinement_of_its_merge() -> None:
     outcome = FedFiOTAggregator(spec, strategy.fedfiot_config).aggregate(
         uploads, RoundContext(1, validate=make_validate_fn(Net(), sel_loader)))
     perms = outcome.engine_result.permutations if outcome.variant == "aligned" else None
-    expected, rep = refine_merged_model(outcome.model, uploads.weights, model, fit_loader, sel_loader, spec=spec,
-                                        permutations=perms, num_examples=uploads.num_examples, options=QUICK,
-                                        fishers=uploads.fishers)
+    clients = ClientModels(uploads.weights, spec, perms, uploads.num_examples, uploads.fishers)
+    expected, rep = refine_merged_model(outcome.model, clients, model, Folds(fit_loader, sel_loader), options=QUICK)
     _assert_equal(got, expected)
 
     report = strategy.reports[0]
@@ -130,8 +129,8 @@ def test_the_same_stage_runs_after_fedavg_and_after_the_fedavg_it_is_compared_wi
     uploads = _uploads(replies)
     fit_loader, sel_loader = _folds(data)
     fedavg = size_weighted_average(uploads.weights, uploads.num_examples)
-    expected, _ = refine_merged_model(fedavg, uploads.weights, Net(), fit_loader, sel_loader,
-                                      num_examples=uploads.num_examples, options=QUICK, fishers=uploads.fishers)
+    clients = ClientModels(uploads.weights, num_examples=uploads.num_examples, fishers=uploads.fishers)
+    expected, _ = refine_merged_model(fedavg, clients, Net(), Folds(fit_loader, sel_loader), options=QUICK)
     strategy = MergeStrategy(FedAvgAggregator(), model=Net(), server_data=data, refine=QUICK)
     _assert_equal(arrays_to_numpy(strategy.aggregate_train(1, replies)[0]), expected)
     # FedFiOT's round reports FedAvg of the same uploads given the same stage.
@@ -158,8 +157,8 @@ def test_the_same_stage_runs_after_regmean() -> None:
     sel_score = make_validate_fn(Net(), sel_loader)
     chosen = regmean_select([u.weights for u in ups], [u.grams for u in ups], [u.num_examples for u in ups],
                             lambda m: sel_score(m)["accuracy"])
-    expected, rep = refine_merged_model(chosen.model, [u.weights for u in ups], Net(), fit_loader, sel_loader,
-                                        num_examples=[u.num_examples for u in ups], options=QUICK)
+    clients = ClientModels([u.weights for u in ups], num_examples=[u.num_examples for u in ups])
+    expected, rep = refine_merged_model(chosen.model, clients, Net(), Folds(fit_loader, sel_loader), options=QUICK)
     _assert_equal(got, expected)
     assert strategy.reports[0]["post_merge"]["chosen"] == rep.chosen
 

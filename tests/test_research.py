@@ -223,7 +223,7 @@ def test_finetune_check_rules_match_what_the_refinement_returns() -> None:
 
     from research.finetune_check import LONGER, choices
     from fedfiot_flwr.models import build_model
-    from fedfiot_flwr.refine import refine_merged_model
+    from fedfiot_flwr.refine import Folds, refine_merged_model
 
     models = [build_model("mlp", (1, 8, 8), 10, seed=i) for i in range(3)]
     clients = [{k: v.detach().numpy().copy() for k, v in m.state_dict().items()} for m in models]
@@ -236,12 +236,12 @@ def test_finetune_check_rules_match_what_the_refinement_returns() -> None:
     fit, select = loader(200, 5), loader(100, 6)
     merged = {k: np.zeros_like(v) for k, v in clients[0].items()}  # a useless merge: fitted candidates win
     small = replace(LONGER, finetune_epochs=4, augment_copies=1, keep_candidates=True)
-    _, scored = refine_merged_model(merged, clients, build_model("mlp", (1, 8, 8), 10), fit, select, options=small)
+    _, scored = refine_merged_model(merged, clients, build_model("mlp", (1, 8, 8), 10), Folds(fit, select), options=small)
     picked = choices(scored.selection_accuracy)
     assert picked["cosine, every 2"] == scored.chosen  # the run's own rule
     for rule, overrides in (("cosine, last", {"checkpoint_every": 0}),
                             ("cosine, last, starts only", {"checkpoint_every": 0, "offer_starts": False})):
-        _, rep = refine_merged_model(merged, clients, build_model("mlp", (1, 8, 8), 10), fit, select,
+        _, rep = refine_merged_model(merged, clients, build_model("mlp", (1, 8, 8), 10), Folds(fit, select),
                                      options=replace(small, **overrides))
         assert picked[rule] == rep.chosen, rule
     assert picked["cosine, last, starts only"].startswith("ft4(")

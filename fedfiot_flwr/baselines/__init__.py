@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fedfiot_flwr.lazy import lazy_getattr
 from fedfiot_flwr.baselines.averaging import check_clients, client_weights, size_weighted_average
+from fedfiot_flwr.baselines.fedfisher_options import FedFisherOptions
 
 if TYPE_CHECKING:
     from fedfiot_flwr.baselines.fedfisher import FedFisherResult, fedfisher_diag, fedfisher_kfac, kfac_quadratic
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REGMEAN_ALPHAS",
+    "FedFisherOptions",
     "FedFisherResult",
     "RegMeanResult",
     "check_clients",

@@ -60,12 +60,14 @@ from fedfiot_flwr.baselines.averaging import (
     client_weights,
     size_weighted_average,
 )
+from fedfiot_flwr.baselines.fedfisher_options import OPTIMIZERS, FedFisherOptions
 from fedfiot_flwr.choose import BestSoFar
 from fedfiot_flwr.psd import KFACFactors, layer_matrix
 from fedfiot_flwr.options import Model
 
 __all__ = [
     "OPTIMIZERS",
+    "FedFisherOptions",
     "FedFisherResult",
     "fedfisher_diag",
     "fedfisher_kfac",
@@ -73,8 +75,6 @@ __all__ = [
     "kfac_quadratic",
 ]
 
-OPTIMIZERS = ("fedfisher", "adam")
-"""``"fedfisher"``: the update of FedFisher's code (default); ``"adam"``: ``torch.optim.Adam``."""
 
 Evaluate = Callable[[Model], float]
 
@@ -136,19 +136,6 @@ def _resolve(device: torch.device | str | None) -> torch.device:
     return resolve_device(device)
 
 
-def _check_optim(steps: int, lr: float, eval_every: int, damping: float, optimizer: str) -> None:
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}")
-    if int(steps) != steps or steps < 0:
-        raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
-    if not (lr > 0 and np.isfinite(lr)):
-        raise ValueError(f"lr must be positive, got {lr!r}")
-    if int(eval_every) != eval_every or eval_every < 1:
-        raise ValueError(f"eval_every must be a positive integer, got {eval_every!r}")
-    if not (damping >= 0 and np.isfinite(damping)):
-        raise ValueError(f"damping must be finite and >= 0, got {damping!r}")
-
-
 class _FedFisherUpdate:
     """FedFisher's own Adam-like update (``one_shot_fisher_kfac`` / ``_diag`` of its code).
 
@@ -195,11 +182,8 @@ def _optimise(
     start: dict[str, torch.Tensor],
     gradient: Callable[[dict[str, torch.Tensor], bool], tuple[dict[str, torch.Tensor], torch.Tensor | None]],
     to_model: Callable[[dict[str, torch.Tensor]], Model],
-    steps: int,
-    lr: float,
-    eval_every: int,
+    options: FedFisherOptions,
     evaluate: Evaluate | None,
-    optimizer: str,
     variant: str,
 ) -> tuple[Model, int, float | None, list[dict[str, float]]]:
     """Optimise from ``start`` with checkpoints; return (best model, step, score, history).
@@ -207,9 +191,10 @@ def _optimise(
     ``gradient(params, objective)`` returns the gradient and, when ``objective`` is True (at
     checkpoints only: nothing else reads it), the objective.
     """
+    steps, lr, eval_every = options.steps, options.lr, options.eval_every
     params = {k: v.detach().clone() for k, v in start.items()}
     opt: _FedFisherUpdate | _TorchAdam
-    opt = _FedFisherUpdate(params, lr, variant) if optimizer == "fedfisher" else _TorchAdam(params, lr)
+    opt = _FedFisherUpdate(params, lr, variant) if options.optimizer == "fedfisher" else _TorchAdam(params, lr)
     history: list[dict[str, float]] = []
     best: BestSoFar[int] = BestSoFar()
     kept: dict[str, torch.Tensor] = {}
@@ -235,19 +220,35 @@ def _optimise(
 # ------------------------------------------------------------------------------- diagonal
 
 
+def _check_diag_fishers(ids: Sequence[str], models: Sequence[Mapping[str, np.ndarray]],
+                        fishers: Sequence[Mapping[str, np.ndarray]], checked: bool) -> list[str]:
+    """The tensors the diagonal Fishers cover (the same for every client); sizes and values unless ``checked``."""
+    if len(fishers) != len(models):
+        raise ValueError(f"fedfisher_diag: {len(fishers)} Fishers for {len(models)} models")
+    names = list(fishers[0])
+    for cid, fisher, model in zip(ids, fishers, models):
+        if set(fisher) != set(names):
+            raise ValueError(f"client {cid}: Fisher tensors differ from client {ids[0]}'s")
+        for name in names:
+            if name not in model:
+                raise ValueError(f"client {cid}: Fisher entry {name!r} is not a model tensor")
+            if checked:
+                continue
+            f = np.asarray(fisher[name])
+            if f.shape != np.shape(model[name]):
+                raise ValueError(f"client {cid}, tensor {name!r}: Fisher shape {f.shape} differs from {np.shape(model[name])}")
+            if not np.all(np.isfinite(f)) or (f.size and float(f.min()) < 0):
+                raise ValueError(f"client {cid}, tensor {name!r}: the Fisher must be finite and non-negative")
+    return names
+
+
 def fedfisher_diag(
     models: Sequence[Mapping[str, np.ndarray]],
     fishers: Sequence[Mapping[str, np.ndarray]],
     num_examples: Sequence[int],
+    options: FedFisherOptions = FedFisherOptions("diag"),
     *,
-    steps: int = 2000,
-    lr: float = 0.01,
-    eval_every: int = 100,
     evaluate: Evaluate | None = None,
-    fisher_scaling: str = "size",
-    damping: float = 0.0,
-    optimizer: str = "fedfisher",
-    device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     client_ids: Sequence[str] | None = None,
     checked: bool = False,
@@ -266,19 +267,13 @@ def fedfisher_diag(
         cover the same tensors. Tensors without a Fisher stay at the average.
     num_examples : sequence of int
         Local data-set sizes.
-    steps, lr, eval_every : int, float, int
-        Adam steps, learning rate and checkpoint spacing (paper: 2000, 0.01, 100).
+    options : FedFisherOptions
+        The optimisation: ``steps``, ``lr``, ``eval_every`` (paper: 2000, 0.01, 100),
+        ``optimizer`` (see the module docstring), ``fisher_scaling`` (``"size"``: ``c_k = n_k /
+        n``, ``"none"``: ``1 / K``), ``damping`` (added to every Fisher entry) and ``device``
+        (default: CUDA when available); its ``variant`` is not read.
     evaluate : callable, optional
         ``model -> score`` on the validation set (higher is better, e.g. accuracy).
-    fisher_scaling : str
-        ``"size"`` (``c_k = n_k / n``) or ``"none"`` (``c_k = 1 / K``).
-    damping : float
-        Added to every Fisher entry.
-    optimizer : str
-        ``"fedfisher"`` (the update rule of FedFisher's code, default) or ``"adam"``
-        (``torch.optim.Adam``); see the module docstring.
-    device : torch.device or str, optional
-        Defaults to CUDA when available.
     dtype : torch.dtype
         Working precision.
     client_ids : sequence of str, optional
@@ -294,31 +289,15 @@ def fedfisher_diag(
     Raises
     ------
     ValueError
-        On inconsistent models, Fishers with other keys or shapes, negative or non-finite
-        entries, or bad optimisation settings.
+        On inconsistent models, Fishers with other keys or shapes, or negative or non-finite
+        entries (bad optimisation settings are refused when ``options`` is built).
     """
     t0 = time.perf_counter()
     ids = check_clients(models, num_examples, client_ids, checked=checked)
-    _check_optim(steps, lr, eval_every, damping, optimizer)
-    if len(fishers) != len(models):
-        raise ValueError(f"fedfisher_diag: {len(fishers)} Fishers for {len(models)} models")
-    names = list(fishers[0])
-    for cid, fisher, model in zip(ids, fishers, models):
-        if set(fisher) != set(names):
-            raise ValueError(f"client {cid}: Fisher tensors differ from client {ids[0]}'s")
-        for name in names:
-            if name not in model:
-                raise ValueError(f"client {cid}: Fisher entry {name!r} is not a model tensor")
-            if checked:
-                continue
-            f = np.asarray(fisher[name])
-            if f.shape != np.shape(model[name]):
-                raise ValueError(f"client {cid}, tensor {name!r}: Fisher shape {f.shape} differs from {np.shape(model[name])}")
-            if not np.all(np.isfinite(f)) or (f.size and float(f.min()) < 0):
-                raise ValueError(f"client {cid}, tensor {name!r}: the Fisher must be finite and non-negative")
+    names = _check_diag_fishers(ids, models, fishers, checked)
     init = size_weighted_average(models, num_examples)
-    dev = _resolve(device)
-    c = client_weights(num_examples, fisher_scaling)
+    dev = _resolve(options.device)
+    c = client_weights(num_examples, options.fisher_scaling)
 
     def t(x: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(x, dtype=np.float64), device=dev).to(dtype)
@@ -327,7 +306,7 @@ def fedfisher_diag(
     stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name in names:
         wk = t(np.stack([np.asarray(m[name]) for m in models]))
-        fk = t(np.stack([np.asarray(f[name]) for f in fishers])) + damping
+        fk = t(np.stack([np.asarray(f[name]) for f in fishers])) + options.damping
         stacked[name] = (wk, fk * cw.view((-1,) + (1,) * (wk.dim() - 1)))
 
     def gradient(w: dict[str, torch.Tensor], objective: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -348,7 +327,7 @@ def fedfisher_diag(
         return out
 
     start = {name: t(init[name]) for name in names}
-    model, step, score, history = _optimise(start, gradient, to_model, steps, lr, eval_every, evaluate, optimizer, "diag")
+    model, step, score, history = _optimise(start, gradient, to_model, options, evaluate, "diag")
     return FedFisherResult(model, init, "diag", step, score, history, time.perf_counter() - t0)
 
 
@@ -515,15 +494,9 @@ def fedfisher_kfac(
     models: Sequence[Mapping[str, np.ndarray]],
     factors: Sequence[Mapping[str, KFACFactors]],
     num_examples: Sequence[int],
+    options: FedFisherOptions = FedFisherOptions("kfac"),
     *,
-    steps: int = 2000,
-    lr: float = 0.01,
-    eval_every: int = 100,
     evaluate: Evaluate | None = None,
-    fisher_scaling: str = "size",
-    damping: float = 0.0,
-    optimizer: str = "fedfisher",
-    device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     client_ids: Sequence[str] | None = None,
     checked: bool = False,
@@ -545,8 +518,8 @@ def fedfisher_kfac(
         upload (then with their low-rank roots).
     num_examples : sequence of int
         Local data-set sizes.
-    steps, lr, eval_every, evaluate, fisher_scaling, damping, optimizer, device, dtype, client_ids, checked
-        As in :func:`fedfisher_diag`.
+    options, evaluate, dtype, client_ids, checked
+        As in :func:`fedfisher_diag` (``options.damping`` adds ``damping * ||W - W_k||^2``).
     low_rank : bool
         Where every client's factor of a layer side carries its root (``KFACFactors.A_root`` /
         ``G_root``; decoded uploads do), apply the roots instead of the dense factors when
@@ -563,16 +536,14 @@ def fedfisher_kfac(
     ValueError
         On inconsistent models, differing layer sets, factor shapes that do not fit the
         layer (``A``: ``d_in (+1 with a bias)``, ``G``: ``d_out``), non-finite factors, roots
-        that do not reproduce their factor, or bad optimisation settings; the message names
-        the client and layer.
+        that do not reproduce their factor; the message names the client and layer.
     """
     t0 = time.perf_counter()
     ids = check_clients(models, num_examples, client_ids, checked=checked)
-    _check_optim(steps, lr, eval_every, damping, optimizer)
     layers = _check_factors(ids, models, factors, checked)
     init = size_weighted_average(models, num_examples)
-    dev = _resolve(device)
-    c = torch.as_tensor(client_weights(num_examples, fisher_scaling), device=dev).to(dtype)
+    dev = _resolve(options.device)
+    c = torch.as_tensor(client_weights(num_examples, options.fisher_scaling), device=dev).to(dtype)
 
     def t(x: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(x, dtype=np.float64), device=dev).to(dtype)
@@ -595,7 +566,7 @@ def fedfisher_kfac(
         grads: dict[str, torch.Tensor] = {}
         obj = torch.zeros((), dtype=dtype, device=dev) if objective else None
         for layer, terms in stacked.items():
-            grads[layer], part = terms.step(w[layer], cw, damping, objective)
+            grads[layer], part = terms.step(w[layer], cw, options.damping, objective)
             if objective:
                 obj = obj + part
         return grads, obj
@@ -612,5 +583,5 @@ def fedfisher_kfac(
                 out[f0.bias] = mat[:, n_w].astype(init[f0.bias].dtype)
         return out
 
-    model, step, score, history = _optimise(start, gradient, to_model, steps, lr, eval_every, evaluate, optimizer, "kfac")
+    model, step, score, history = _optimise(start, gradient, to_model, options, evaluate, "kfac")
     return FedFisherResult(model, init, "kfac", step, score, history, time.perf_counter() - t0)

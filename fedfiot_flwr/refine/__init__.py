@@ -11,7 +11,8 @@ fitting and a selection fold, builds candidates from the aggregated model on the
 - :mod:`~fedfiot_flwr.refine.linalg`: least squares and REPAIR in NumPy/SciPy;
 - :mod:`~fedfiot_flwr.refine.ops`: the torch side (capture layers, corrections);
 - :mod:`~fedfiot_flwr.refine.finetune`: distillation fine-tuning;
-- :mod:`~fedfiot_flwr.refine.candidates`: :func:`refine_merged_model`, the one entry point;
+- :mod:`~fedfiot_flwr.refine.candidates`: :func:`refine_merged_model`, the one entry point, and its inputs
+  :class:`ClientModels` and :class:`Folds`;
 - :mod:`~fedfiot_flwr.refine.stage`: :class:`RefinementStage`, the folds and the stage.
 
 Importing this package loads neither torch nor Flower; the torch modules load on first use.
@@ -26,12 +27,14 @@ from fedfiot_flwr.refine.base import ModelMapStage, PostMergeStage, StageResult
 from fedfiot_flwr.refine.options import FINETUNE_SCHEDULES, TARGET_WEIGHTS, RefineOptions
 
 if TYPE_CHECKING:
-    from fedfiot_flwr.refine.candidates import RefineReport, refine_merged_model
+    from fedfiot_flwr.refine.candidates import ClientModels, Folds, RefineReport, refine_merged_model
     from fedfiot_flwr.refine.stage import RefinementStage, split_folds
 
 __all__ = [
     "FINETUNE_SCHEDULES",
     "TARGET_WEIGHTS",
+    "ClientModels",
+    "Folds",
     "ModelMapStage",
     "PostMergeStage",
     "RefineOptions",
@@ -43,6 +46,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "ClientModels": "candidates",
+    "Folds": "candidates",
     "RefineReport": "candidates",
     "refine_merged_model": "candidates",
     "RefinementStage": "stage",

@@ -49,7 +49,7 @@ from fedfiot_flwr.refine.ops import (
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.options import Model
 
-__all__ = ["RefineReport", "align_clients", "refine_merged_model"]
+__all__ = ["ClientModels", "Folds", "RefineReport", "align_clients", "refine_merged_model"]
 
 
 
@@ -201,20 +201,243 @@ def _reference_fit_data(rows: Sequence[Any], model: nn.Module, aligned: Sequence
     return _FitData(batches, targets, ft_batches, torch.cat(ft_labels), teacher)
 
 
+@dataclass(frozen=True)
+class ClientModels:
+    """The clients a merged model was built from, and how to put them in its neuron order.
+
+    Attributes
+    ----------
+    models : sequence of dict
+        The clients' uploaded models (dequantized), in the merge's client order.
+    spec : PermutationSpec, optional
+        The merge's permutation spec.
+    permutations : dict, optional
+        ``MergeResult.permutations`` (client ``k``'s permutation of each hidden layer); without
+        them (or a spec) the clients are taken as they are (identity alignment).
+    num_examples : sequence of int, optional
+        Client sizes (for ``RefineOptions.target_weights == "size"`` and the Fisher anchor).
+    fishers : sequence of dict, optional
+        The clients' diagonal Fishers (dequantized, in ``models``' order and layout), put in the
+        merge's order with their clients, for ``RefineOptions.fisher_anchor``; without them the
+        anchored fine-tuning runs are skipped.
+    """
+
+    models: Sequence[Mapping[str, np.ndarray]]
+    spec: PermutationSpec | None = None
+    permutations: Mapping[str, Sequence[np.ndarray]] | None = None
+    num_examples: Sequence[int] | None = None
+    fishers: Sequence[Mapping[str, np.ndarray]] | None = None
+
+
+@dataclass(frozen=True)
+class Folds:
+    """Two disjoint folds of the server's data, each an iterable of ``(x, y)`` batches.
+
+    Attributes
+    ----------
+    fit : iterable
+        Fits every candidate's parameters.
+    select : iterable
+        Only scores the candidates (and, with ``RefineOptions.refit``, joins ``fit`` for the
+        chosen recipe's final fit, after the choice is made).
+    """
+
+    fit: Iterable[Any]
+    select: Iterable[Any]
+
+
+@dataclass
+class _Inputs:
+    """The checked, aligned inputs of one refinement."""
+
+    aligned: list[Model]
+    aligned_fishers: list[Model]
+    anchor_strengths: tuple[float, ...]
+    weights: list[float]
+
+
+def _check_inputs(merged: Mapping[str, np.ndarray], clients: ClientModels, options: RefineOptions,
+                  log: Callable[[str], None] | None) -> _Inputs:
+    """Check the clients against ``merged`` and ``options``; put them (and their Fishers) in the merge's order."""
+    models, num_examples, fishers = clients.models, clients.num_examples, clients.fishers
+    if not models:
+        raise ValueError("refine_merged_model needs at least one client model")
+    for k, c in enumerate(models):
+        missing = [n for n in merged if n not in c]
+        if missing:
+            raise ValueError(f"client {k}: upload lacks tensors {missing[:5]}")
+    aligned = align_clients(models, clients.spec, clients.permutations)
+    if options.target_weights == "size" and (num_examples is None or len(num_examples) != len(models)):
+        raise ValueError("target_weights='size' needs num_examples for every client")
+    aligned_fishers: list[Model] = []
+    anchor_strengths = options.fisher_anchor if fishers is not None and options.finetune_epochs > 0 else ()
+    if options.fisher_anchor and fishers is None and log:
+        log("    refine: no client Fishers given, so no Fisher-anchored fine-tuning")
+    if anchor_strengths:
+        assert fishers is not None
+        if len(fishers) != len(models) or num_examples is None or len(num_examples) != len(models):
+            raise ValueError("RefineOptions.fisher_anchor needs every client's Fisher and size: "
+                             f"{len(fishers)} Fishers, {0 if num_examples is None else len(num_examples)} sizes "
+                             f"for {len(models)} clients")
+        empty = [k for k, f in enumerate(fishers) if not f]
+        if empty:
+            raise ValueError(f"client {empty[0]}: no Fisher for the Fisher anchor")
+        aligned_fishers = align_clients(fishers, clients.spec, clients.permutations)
+    weights = [1.0 / len(models)] * len(models)  # REPAIR's statistics: plain client average
+    if options.target_weights == "size":
+        assert num_examples is not None
+        weights = [float(n) / float(sum(num_examples)) for n in num_examples]
+    return _Inputs(aligned, aligned_fishers, anchor_strengths, weights)
+
+
+class _Refinement:
+    """One refinement's state: builds candidates from the merge and keeps the best on the selection fold."""
+
+    def __init__(self, merged: Mapping[str, np.ndarray], clients: ClientModels, model: nn.Module,
+                 options: RefineOptions, log: Callable[[str], None] | None) -> None:
+        self.merged, self.clients, self.model, self.options, self.log = merged, clients, model, options, log
+        self.inputs = _check_inputs(merged, clients, options, log)
+        self.report = RefineReport(chosen="merged")
+        self.recipes: dict[str, _Recipe] = {"repair": _Recipe(repair=True)} if options.repair else {}
+        for r in options.ridges:
+            self.recipes[f"ls-r{r:g}"] = _Recipe(ridge=r)
+            if options.repair:
+                self.recipes[f"repair+ls-r{r:g}"] = _Recipe(repair=True, ridge=r)
+        # Offered in order: the merge, the starts, the fine-tuning checkpoints, the clients; ties
+        # keep the earlier (simpler) candidate (fedfiot_flwr.choose).
+        self.best: BestSoFar[tuple[str, Model]] = BestSoFar()
+        self.select_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def fit_data(self, rows: Sequence[Any]) -> _FitData:
+        """The fitting data of ``rows`` (the layers are found on the first call)."""
+        first = not hasattr(self, "layers")
+        if first:
+            self.layers = layer_modules(self.model, split_batch(rows[0])[0].to(model_device(self.model)).float())
+        data = _fit_data(rows, self.model, self.inputs.aligned, self.layers, self.options, self.clients.num_examples,
+                         self.options.reference)
+        if first:
+            # REPAIR's client statistics need their own forward passes: a second copy of the module,
+            # so that the candidate being built is not overwritten; computed once per data, on first use.
+            self.model_scratch = copy.deepcopy(self.model)
+            modules = dict(self.model_scratch.named_modules())
+            self.layers_scratch = [(n, modules[n]) for n, _ in self.layers]
+        return data
+
+    def build(self, recipe: _Recipe, on: _FitData, label: str | None = None) -> Iterable[tuple[int, Model]]:
+        """``(epochs, state)`` of the recipe on ``on``: the state before fine-tuning, then its checkpoints."""
+        model, layers, reference = self.model, self.layers, self.options.reference
+        load_state(model, self.merged)
+        recalibrate_batchnorm(model, on.batches)
+        if recipe.repair:
+            if on.stats is None:
+                on.stats = client_neuron_stats(self.model_scratch, self.inputs.aligned, self.inputs.weights,
+                                               self.layers_scratch, on.batches)
+            repair(model, layers, on.batches, on.stats)
+            recalibrate_batchnorm(model, on.batches)
+        if recipe.ridge is not None:
+            errors = least_squares_refine(model, layers, on.batches, on.targets, recipe.ridge, on.first_moments,
+                                          reference=reference)
+            if label is not None:
+                self.report.fit_errors[label] = errors
+            recalibrate_batchnorm(model, on.batches)
+        yield 0, model_state(model)
+        if recipe.epochs > 0:
+            anchor = None if recipe.anchor is None else laplace_anchor(
+                self.inputs.aligned, self.inputs.aligned_fishers, self.clients.num_examples,  # type: ignore[arg-type]
+                sum(len(b) for b in on.batches), recipe.anchor)
+            yield from distill_finetune(model, on.ft_batches, on.ft_labels, on.teacher, self.options,
+                                        stop_after=recipe.epochs, reference=reference, anchor=anchor)
+
+    def offer(self, name: str, state: Model) -> None:
+        """Let ``state``, already scored, compete for the returned model."""
+        self.best.offer(self.report.selection_accuracy[name], (name, state))
+
+    def consider(self, name: str, state: Model, offered: bool = True) -> None:
+        """Score ``state`` on the selection fold; offer it unless it is a start only."""
+        score = _reference_accuracy if self.options.reference else _accuracy
+        acc = score(load_state(self.model, state), self.select_batches)
+        self.report.selection_accuracy[name] = acc
+        if self.options.keep_candidates:
+            self.report.candidates[name] = state
+        if self.log:
+            self.log(f"    refine candidate {name:18s} selection acc {100 * acc:5.1f}%"
+                     + ("" if offered else " (start only)"))
+        if offered:
+            self.offer(name, state)
+
+    def finetune(self, data: _FitData, offer_starts: bool) -> None:
+        """Fine-tune from the best start (plain, then with each Fisher anchor); its checkpoints are candidates."""
+        # One start: the merge or the best least-squares/REPAIR candidate, whichever scores
+        # better on the selection fold.
+        options, recipes = self.options, self.recipes
+        starts = ["merged", *recipes]
+        start_name = starts[best_index([self.report.selection_accuracy[n] for n in starts])]
+        start_recipe = replace(recipes.get(start_name, _Recipe()), epochs=options.finetune_epochs)
+        if self.log:
+            self.log(f"    refine: fine-tuning {start_name} for {options.finetune_epochs} epochs on "
+                     f"{sum(len(b) for b in data.ft_batches)} rows")
+        tuned = False
+        for epoch, state in self.build(start_recipe, data):
+            if epoch == 0:
+                start_state = state  # the start itself, before any step
+            else:
+                name = f"ft{epoch}({start_name})"
+                recipes[name] = replace(start_recipe, epochs=epoch)
+                self.consider(name, state)
+                tuned = True
+        if not tuned and not offer_starts and start_name != "merged":
+            # The fine-tuning diverged at once: the best start (the merge is already offered) competes after all.
+            self.offer(start_name, start_state)
+        for strength in self.inputs.anchor_strengths:
+            # The same run from the same start with the clients' Laplace penalty in the loss.
+            anchored = replace(start_recipe, anchor=strength)
+            for epoch, state in self.build(anchored, data):
+                if epoch > 0:
+                    name = f"ft{epoch}a{strength:g}({start_name})"
+                    recipes[name] = replace(anchored, epochs=epoch)
+                    self.consider(name, state)
+
+    def run(self, folds: Folds) -> tuple[Model, RefineReport]:
+        """Every candidate, scored; the best one (refitted on both folds with ``options.refit``)."""
+        options, report = self.options, self.report
+        fit_rows = list(folds.fit)
+        if not fit_rows:
+            raise ValueError("the refinement's fitting loader yields no examples")
+        data = self.fit_data(fit_rows)
+        select_rows = list(folds.select)
+        dev = model_device(self.model)
+        self.select_batches = [(x.to(dev).float(), y.to(dev)) for x, y in map(split_batch, select_rows)]
+        report.fit_examples = sum(len(b) for b in data.batches)
+        report.select_examples = sum(len(y) for _, y in self.select_batches)
+
+        self.consider("merged", dict(self.merged))
+        offer_starts = options.offer_starts or options.finetune_epochs <= 0
+        for name, recipe in list(self.recipes.items()):
+            self.consider(name, next(iter(self.build(recipe, data, name)))[1], offered=offer_starts)
+        if options.finetune_epochs > 0:
+            self.finetune(data, offer_starts)
+        if options.client_candidates:
+            for k, c in enumerate(self.clients.models):
+                self.consider(f"client-{k}", {n: np.asarray(v) for n, v in c.items()})
+        report.chosen, chosen_model = self.best.item
+        if options.refit and report.chosen in self.recipes:
+            # The choice is made; refit its recipe on both folds (as a grid search refits its winner).
+            both = self.fit_data(fit_rows + select_rows)
+            recipe = self.recipes[report.chosen]
+            for epoch, state in self.build(recipe, both):
+                if epoch == recipe.epochs:
+                    chosen_model = state
+                    report.refit_examples = sum(len(b) for b in both.batches)
+        return chosen_model, report
+
+
 def refine_merged_model(
     merged: Mapping[str, np.ndarray],
-    clients: Sequence[Mapping[str, np.ndarray]],
+    clients: ClientModels | Sequence[Mapping[str, np.ndarray]],
     model: nn.Module,
-    fit_loader: Iterable[Any],
-    select_loader: Iterable[Any],
-    spec: PermutationSpec | None = None,
-    permutations: Mapping[str, Sequence[np.ndarray]] | None = None,
-    num_examples: Sequence[int] | None = None,
+    folds: Folds,
     options: RefineOptions = RefineOptions(),
     log: Callable[[str], None] | None = None,
-    *,
-    fishers: Sequence[Mapping[str, np.ndarray]] | None = None,
-    reference: bool = False,
 ) -> tuple[Model, RefineReport]:
     """Refine a merged model on server data and return the best candidate on the selection fold.
 
@@ -222,36 +445,21 @@ def refine_merged_model(
     ----------
     merged : dict[str, np.ndarray]
         The merged model (state-dict keys of ``model``).
-    clients : sequence of dict
-        The clients' uploaded models (dequantized), in the merge's client order.
+    clients : ClientModels or sequence of dict
+        The clients the merge was built from, with the merge's permutations of them, their
+        sizes and Fishers (:class:`ClientModels`); a plain sequence of models is taken as
+        ``ClientModels(models)``, the clients as they are.
     model : nn.Module
         A module of the architecture (its weights are overwritten; used as scratch). The
         refinement runs on its device (a CUDA module: every forward pass, the least-squares
         products and the fine-tuning on the GPU); the rows are built on the CPU, then moved.
-    fit_loader, select_loader : iterable of (x, y) batches
-        Disjoint folds of the server's data: the first fits every candidate's parameters,
-        the second only scores the candidates (and, with ``options.refit``, joins the
-        first for the chosen recipe's final fit, after the choice is made).
-    spec, permutations : optional
-        The merge's permutation spec and ``MergeResult.permutations`` (client ``k``'s
-        permutation of each hidden layer); without them the clients are taken as they are
-        (identity alignment).
-    num_examples : sequence of int, optional
-        Client sizes (for ``options.target_weights == "size"``).
+    folds : Folds
+        Disjoint folds of the server's data: ``folds.fit`` fits every candidate's parameters,
+        ``folds.select`` only scores the candidates.
     options : RefineOptions
-        Candidates and data knobs.
+        Candidates and data knobs (``options.reference`` runs the slower reference passes).
     log : callable, optional
         Progress lines.
-    fishers : sequence of dict, optional
-        The clients' diagonal Fishers (dequantized, in ``clients``' order and layout), put in
-        the merge's order with their clients, for ``options.fisher_anchor``; without them the
-        anchored fine-tuning runs are skipped.
-    reference : bool
-        Run the reference implementation, which returns the same model up to rounding at a
-        higher cost (for measurements): separate forward passes for the label weights, the
-        layer targets and the teacher, each refit's sums computed afresh, whole forward
-        passes, the default memory layout (not channels-last), gradient tracking switched off
-        by ``torch.no_grad`` rather than ``torch.inference_mode``.
 
     Returns
     -------
@@ -262,141 +470,13 @@ def refine_merged_model(
     Raises
     ------
     ValueError
-        On missing tensors, permutations that do not match ``clients``, empty folds or
+        On missing tensors, permutations that do not match the clients, empty folds or
         non-finite activations (the message names the client or layer).
     """
     start = time.perf_counter()
-    if not clients:
-        raise ValueError("refine_merged_model needs at least one client model")
-    for k, c in enumerate(clients):
-        missing = [n for n in merged if n not in c]
-        if missing:
-            raise ValueError(f"client {k}: upload lacks tensors {missing[:5]}")
-    aligned = align_clients(clients, spec, permutations)
-    if options.target_weights == "size" and (num_examples is None or len(num_examples) != len(clients)):
-        raise ValueError("target_weights='size' needs num_examples for every client")
-    aligned_fishers: list[Model] = []
-    anchor_strengths = options.fisher_anchor if fishers is not None and options.finetune_epochs > 0 else ()
-    if options.fisher_anchor and fishers is None and log:
-        log("    refine: no client Fishers given, so no Fisher-anchored fine-tuning")
-    if anchor_strengths:
-        if len(fishers) != len(clients) or num_examples is None or len(num_examples) != len(clients):  # type: ignore[arg-type]
-            raise ValueError("RefineOptions.fisher_anchor needs every client's Fisher and size: "
-                             f"{len(fishers)} Fishers, {0 if num_examples is None else len(num_examples)} sizes "  # type: ignore[arg-type]
-                             f"for {len(clients)} clients")
-        empty = [k for k, f in enumerate(fishers) if not f]
-        if empty:
-            raise ValueError(f"client {empty[0]}: no Fisher for the Fisher anchor")
-        aligned_fishers = align_clients(fishers, spec, permutations)
-    weights = [1.0 / len(clients)] * len(clients)  # REPAIR's statistics: plain client average
-    if options.target_weights == "size":
-        weights = [float(n) / float(sum(num_examples)) for n in num_examples]  # type: ignore[arg-type]
-
-    fit_rows = list(fit_loader)
-    if not fit_rows:
-        raise ValueError("the refinement's fitting loader yields no examples")
-    layers = layer_modules(model, split_batch(fit_rows[0])[0].to(model_device(model)).float())
-    data = _fit_data(fit_rows, model, aligned, layers, options, num_examples, reference)
-    select_rows = list(select_loader)
-    dev = model_device(model)
-    select_batches = [(x.to(dev).float(), y.to(dev)) for x, y in map(split_batch, select_rows)]
-    report = RefineReport(chosen="merged", fit_examples=sum(len(b) for b in data.batches),
-                          select_examples=sum(len(y) for _, y in select_batches))
-    # REPAIR's client statistics need their own forward passes: a second copy of the module,
-    # so that the candidate being built is not overwritten; computed once per data, on first use.
-    model_scratch = copy.deepcopy(model)
-    layers_scratch = [(n, dict(model_scratch.named_modules())[n]) for n, _ in layers]
-
-    def build(recipe: _Recipe, on: _FitData, label: str | None = None) -> Iterable[tuple[int, Model]]:
-        """``(epochs, state)`` of the recipe on ``on``: the state before fine-tuning, then its checkpoints."""
-        load_state(model, merged)
-        recalibrate_batchnorm(model, on.batches)
-        if recipe.repair:
-            if on.stats is None:
-                on.stats = client_neuron_stats(model_scratch, aligned, weights, layers_scratch, on.batches)
-            repair(model, layers, on.batches, on.stats)
-            recalibrate_batchnorm(model, on.batches)
-        if recipe.ridge is not None:
-            errors = least_squares_refine(model, layers, on.batches, on.targets, recipe.ridge, on.first_moments,
-                                          reference=reference)
-            if label is not None:
-                report.fit_errors[label] = errors
-            recalibrate_batchnorm(model, on.batches)
-        yield 0, model_state(model)
-        if recipe.epochs > 0:
-            anchor = None if recipe.anchor is None else laplace_anchor(
-                aligned, aligned_fishers, num_examples, sum(len(b) for b in on.batches), recipe.anchor)  # type: ignore[arg-type]
-            yield from distill_finetune(model, on.ft_batches, on.ft_labels, on.teacher, options,
-                                        stop_after=recipe.epochs, reference=reference, anchor=anchor)
-
-    recipes: dict[str, _Recipe] = {"repair": _Recipe(repair=True)} if options.repair else {}
-    for r in options.ridges:
-        recipes[f"ls-r{r:g}"] = _Recipe(ridge=r)
-        if options.repair:
-            recipes[f"repair+ls-r{r:g}"] = _Recipe(repair=True, ridge=r)
-
-    # Offered in order: the merge, the starts, the fine-tuning checkpoints, the clients; ties
-    # keep the earlier (simpler) candidate (fedfiot_flwr.choose).
-    best: BestSoFar[tuple[str, Model]] = BestSoFar()
-
-    def offer(name: str, state: Model) -> None:
-        best.offer(report.selection_accuracy[name], (name, state))
-
-    def consider(name: str, state: Model, offered: bool = True) -> None:
-        acc = (_reference_accuracy if reference else _accuracy)(load_state(model, state), select_batches)
-        report.selection_accuracy[name] = acc
-        if options.keep_candidates:
-            report.candidates[name] = state
-        if log:
-            log(f"    refine candidate {name:18s} selection acc {100 * acc:5.1f}%" + ("" if offered else " (start only)"))
-        if offered:
-            offer(name, state)
-
-    consider("merged", dict(merged))
-    offer_starts = options.offer_starts or options.finetune_epochs <= 0
-    for name, recipe in recipes.items():
-        consider(name, next(iter(build(recipe, data, name)))[1], offered=offer_starts)
-    if options.finetune_epochs > 0:
-        # One start: the merge or the best least-squares/REPAIR candidate, whichever scores
-        # better on the selection fold; its checkpoints are candidates.
-        starts = ["merged", *recipes]
-        start_name = starts[best_index([report.selection_accuracy[n] for n in starts])]
-        start_recipe = replace(recipes.get(start_name, _Recipe()), epochs=options.finetune_epochs)
-        if log:
-            log(f"    refine: fine-tuning {start_name} for {options.finetune_epochs} epochs on "
-                f"{sum(len(b) for b in data.ft_batches)} rows")
-        tuned = False
-        for epoch, state in build(start_recipe, data):
-            if epoch == 0:
-                start_state = state  # the start itself, before any step
-            else:
-                name = f"ft{epoch}({start_name})"
-                recipes[name] = replace(start_recipe, epochs=epoch)
-                consider(name, state)
-                tuned = True
-        if not tuned and not offer_starts and start_name != "merged":
-            # The fine-tuning diverged at once: the best start (the merge is already offered) competes after all.
-            offer(start_name, start_state)
-        for strength in anchor_strengths:
-            # The same run from the same start with the clients' Laplace penalty in the loss.
-            anchored = replace(start_recipe, anchor=strength)
-            for epoch, state in build(anchored, data):
-                if epoch > 0:
-                    name = f"ft{epoch}a{strength:g}({start_name})"
-                    recipes[name] = replace(anchored, epochs=epoch)
-                    consider(name, state)
-    if options.client_candidates:
-        for k, c in enumerate(clients):
-            consider(f"client-{k}", {n: np.asarray(v) for n, v in c.items()})
-    report.chosen, chosen_model = best.item
-    if options.refit and report.chosen in recipes:
-        # The choice is made; refit its recipe on both folds (as a grid search refits its winner).
-        both = _fit_data(fit_rows + select_rows, model, aligned, layers, options, num_examples, reference)
-        recipe = recipes[report.chosen]
-        for epoch, state in build(recipe, both):
-            if epoch == recipe.epochs:
-                chosen_model = state
-                report.refit_examples = sum(len(b) for b in both.batches)
+    if not isinstance(clients, ClientModels):
+        clients = ClientModels(clients)
+    chosen_model, report = _Refinement(merged, clients, model, options, log).run(folds)
     report.seconds = time.perf_counter() - start
     dtypes = {k: np.asarray(v).dtype for k, v in merged.items()}
     return {k: np.asarray(v).astype(dtypes[k]) for k, v in chosen_model.items()}, report

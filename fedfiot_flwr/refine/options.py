@@ -83,6 +83,12 @@ class RefineOptions:
         Strength 1 is the posterior of the clients' and the server's data; larger trusts the
         clients more. The runs need the clients' Fishers: without them (``fishers=None``) they
         are skipped. Empty: off.
+    reference : bool
+        Run the reference implementation, which returns the same model up to rounding at a
+        higher cost (for measurements): separate forward passes for the label weights, the
+        layer targets and the teacher, each refit's sums computed afresh, whole forward
+        passes, the default memory layout (not channels-last), gradient tracking switched off
+        by ``torch.no_grad`` rather than ``torch.inference_mode``.
     """
 
     ridges: tuple[float, ...] = (1e-2, 1e-1)
@@ -102,6 +108,7 @@ class RefineOptions:
     temperature: float = 2.0
     refit: bool = False
     fisher_anchor: tuple[float, ...] = (1.0, 3.0, 10.0)
+    reference: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ridges", tuple(float(r) for r in self.ridges))
@@ -126,7 +133,7 @@ class RefineOptions:
                  and self.temperature > 0, "temperature", "a finite number > 0", self.temperature)
         _require(isinstance(self.distill_weight, (int, float)) and 0.0 <= self.distill_weight <= 1.0,
                  "distill_weight", "a number in [0, 1]", self.distill_weight)
-        for name in ("repair", "client_candidates", "keep_candidates", "offer_starts", "refit"):
+        for name in ("repair", "client_candidates", "keep_candidates", "offer_starts", "refit", "reference"):
             _require(isinstance(getattr(self, name), bool), name, "True or False", getattr(self, name))
 
     def describe(self) -> str:

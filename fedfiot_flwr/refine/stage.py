@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from fedfiot_flwr.batches import resolve_device
 from fedfiot_flwr.merge import PermutationSpec
-from fedfiot_flwr.refine.candidates import RefineReport, refine_merged_model
+from fedfiot_flwr.refine.candidates import ClientModels, Folds, RefineReport, refine_merged_model
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.refine.base import StageResult
 from fedfiot_flwr.validation import ValidateFn, make_validate_fn
@@ -188,9 +188,8 @@ class RefinementStage:
                 permutations: Mapping[str, Sequence[np.ndarray]] | None, num_examples: Sequence[int] | None,
                 fishers: Sequence[Mapping[str, np.ndarray]] | None, options: RefineOptions) -> tuple[Model, RefineReport]:
         return refine_merged_model(
-            merged, clients, self._scratch, self.fit_loader, self.select_loader, spec=self.spec,
-            permutations=permutations, num_examples=num_examples, options=options, log=self.progress,
-            fishers=fishers,
+            merged, ClientModels(clients, self.spec, permutations, num_examples, fishers), self._scratch,
+            Folds(self.fit_loader, self.select_loader), options, log=self.progress,
         )
 
     def __call__(

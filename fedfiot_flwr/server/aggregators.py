@@ -16,7 +16,7 @@ maths lives below (:mod:`fedfiot_flwr.merge`, :mod:`fedfiot_flwr.baselines`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,7 +29,7 @@ from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome, ValidateFn
 from fedfiot_flwr.server.selection import sweep_candidates
 from fedfiot_flwr.server.uploads import CollectedUploads
-from fedfiot_flwr.options import FEDFISHER_VARIANTS, SERVER_FISHER_KINDS
+from fedfiot_flwr.baselines.fedfisher_options import FedFisherOptions
 from fedfiot_flwr.options import Model
 
 __all__ = [
@@ -174,57 +174,6 @@ class FedAvgAggregator:
 # -------------------------------------------------------------------------------- FedFisher
 
 
-@dataclass(frozen=True)
-class FedFisherOptions:
-    """FedFisher's knobs, spelled once for the aggregator and the strategy (validated when built).
-
-    Attributes
-    ----------
-    variant : {"kfac", "diag"}
-        Kronecker-factored or diagonal Fishers.
-    steps, lr, eval_every : int, float, int
-        Optimisation steps, step size and checkpoint spacing.
-    optimizer : {"fedfisher", "adam"}
-        FedFisher's own update rule or ``torch.optim.Adam``.
-    fisher_scaling : {"size", "none"}
-        Client weights ``n_k / n`` or ``1 / K``.
-    damping : float
-        Added to every client's curvature.
-    fisher_kind : {"true", "empirical"}, optional
-        K-FAC replies declaring another kind are excluded.
-    selection_metric : str
-        Validation metric the best checkpoint is chosen on.
-    device : torch.device or str, optional
-        Where the optimisation runs.
-    """
-
-    variant: str = "kfac"
-    steps: int = 2000
-    lr: float = 0.01
-    eval_every: int = 100
-    optimizer: str = "fedfisher"
-    fisher_scaling: str = "size"
-    damping: float = 0.0
-    fisher_kind: str | None = None
-    selection_metric: str = "accuracy"
-    device: Any = None
-
-    def __post_init__(self) -> None:
-        from fedfiot_flwr.baselines.fedfisher import OPTIMIZERS, _check_optim
-
-        if self.variant not in FEDFISHER_VARIANTS:
-            raise ValueError(f"FedFisher variant must be one of {FEDFISHER_VARIANTS}, got {self.variant!r}")
-        if self.fisher_kind is not None and self.fisher_kind not in SERVER_FISHER_KINDS:
-            raise ValueError(f"fisher_kind must be one of {SERVER_FISHER_KINDS} or None, got {self.fisher_kind!r}")
-        if self.fisher_scaling not in ("size", "none"):
-            raise ValueError(f"fisher_scaling must be 'size' or 'none', got {self.fisher_scaling!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        _check_optim(self.steps, self.lr, self.eval_every, self.damping, self.optimizer)
-        for name, kind in (("steps", int), ("lr", float), ("eval_every", int), ("damping", float)):
-            object.__setattr__(self, name, kind(getattr(self, name)))
-
-
 class FedFisherAggregator:
     """FedFisher: minimise the Fisher-weighted objective from the size-weighted average.
 
@@ -264,19 +213,16 @@ class FedFisherAggregator:
         from fedfiot_flwr.baselines.fedfisher import fedfisher_diag, fedfisher_kfac
 
         common: dict[str, Any] = dict(
-            steps=self.steps, lr=self.lr, eval_every=self.eval_every,
-            evaluate=_score_fn(context.validate, self.selection_metric), fisher_scaling=self.fisher_scaling,
-            damping=self.damping, optimizer=self.optimizer, device=self.device, client_ids=uploads.client_ids,
-            checked=True,
+            evaluate=_score_fn(context.validate, self.selection_metric), client_ids=uploads.client_ids, checked=True,
         )
         extra: dict[str, Any] = {}
         if self.variant == "kfac":
-            res = fedfisher_kfac(uploads.weights, uploads.factors, uploads.num_examples, **common)
+            res = fedfisher_kfac(uploads.weights, uploads.factors, uploads.num_examples, self.options, **common)
             kinds = sorted({str(k) for k in uploads.fisher_kinds})
             kind: str | None = kinds[0] if len(kinds) == 1 else ",".join(kinds)
             extra = {"curvature_bytes_per_client": uploads.curvature_bytes_per_client, "ranks": uploads.ranks}
         else:
-            res = fedfisher_diag(uploads.weights, uploads.fishers, uploads.num_examples, **common)
+            res = fedfisher_diag(uploads.weights, uploads.fishers, uploads.num_examples, self.options, **common)
             kind = self.fisher_kind
         chosen = {"variant": self.variant, "best_step": res.best_step, "steps": self.steps, "lr": self.lr,
                   "optimizer": self.optimizer, "fisher_scaling": self.fisher_scaling}

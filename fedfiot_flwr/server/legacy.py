@@ -29,18 +29,16 @@ from flwr.server.strategy import FedAvg
 from flwr.supercore import log
 
 from fedfiot_flwr.merge import PermutationSpec
-from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.legacy_envelope import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
 from fedfiot_flwr.server.rounds import RoundMerger
 from fedfiot_flwr.server.server_data import plan_server_data
-from fedfiot_flwr.server.shell import ValidateFn, buffers_of, check_sampling, metric_record
+from fedfiot_flwr.server.shell import StrategyOptions, buffers_of, check_sampling, metric_record
 from fedfiot_flwr.server.strategies import fedfiot_aggregator, refuse_config_fields
 from fedfiot_flwr.server.uploads import FirstReplies
 
 if TYPE_CHECKING:
     import torch
-    from torch.utils.data import Dataset
 
 __all__ = ["FedFiOTLegacy", "fitres_to_reply", "ndarrays_to_reply", "reply_to_ndarrays"]
 
@@ -50,13 +48,17 @@ class FedFiOTLegacy(FedAvg):
 
     Parameters
     ----------
-    spec, model, config, validate_fn, server_data, refine, buffers, min_valid_replies, fedavg_baseline
+    spec, model, config
         As in :class:`fedfiot_flwr.FedFiOT`.
     names : sequence of str, optional
         State-dict key order of the global parameter list (default: ``model.state_dict()``
         order, else ``spec.names``).
     **fedavg_options
-        Everything ``flwr.server.strategy.FedAvg`` takes, with its defaults.
+        :class:`fedfiot_flwr.FedFiOT`'s other options (``validate_fn``, ``server_data``,
+        ``refine``, ``buffers``, ``min_valid_replies``, ``fedavg_baseline``: the fields of
+        :class:`~fedfiot_flwr.server.shell.StrategyOptions` but the Message API's
+        ``bn_recalibration`` and ``node_wait_s``), and everything
+        ``flwr.server.strategy.FedAvg`` takes, with its defaults.
     """
 
     def __init__(
@@ -65,17 +67,17 @@ class FedFiOTLegacy(FedAvg):
         model: torch.nn.Module | None = None,
         *,
         config: FedFiOTConfig | None = None,
-        validate_fn: ValidateFn | None = None,
-        server_data: Dataset[Any] | None = None,
-        refine: RefineOptions | None = None,
         names: Sequence[str] | None = None,
-        buffers: Sequence[str] | None = None,
-        min_valid_replies: int | None = None,
-        fedavg_baseline: bool = True,
         **fedavg_options: Any,
     ) -> None:
         label = "FedFiOTLegacy"
         refuse_config_fields(label, fedavg_options)
+        own, fedavg_options = StrategyOptions.split(fedavg_options)
+        unsupported = [k for k in ("bn_recalibration", "node_wait_s") if getattr(own, k) is not None]
+        if unsupported:
+            raise TypeError(f"{label}: {' and '.join(unsupported)} {'are options' if len(unsupported) > 1 else 'is an option'} "
+                            "of the Message-API FedFiOT only")
+        validate_fn, server_data, refine, buffers = own.validate_fn, own.server_data, own.refine, own.buffers
         FedAvg.__init__(self, **fedavg_options)
         check_sampling(label, fraction_fit=self.fraction_fit, fraction_evaluate=self.fraction_evaluate,
                        min_fit_clients=self.min_fit_clients, min_evaluate_clients=self.min_evaluate_clients,
@@ -89,8 +91,8 @@ class FedFiOTLegacy(FedAvg):
             aggregator,
             buffers=tuple(buffers) if buffers is not None else buffers_of(model),
             validate_fn=plan.validate_fn,
-            min_valid_replies=max(1, self.min_fit_clients) if min_valid_replies is None else min_valid_replies,
-            fedavg_baseline=fedavg_baseline,
+            min_valid_replies=max(1, self.min_fit_clients) if own.min_valid_replies is None else own.min_valid_replies,
+            fedavg_baseline=own.fedavg_baseline,
             post_merge=plan.stage,
         )
         self.plan = f"{label}: {plan.describe}"

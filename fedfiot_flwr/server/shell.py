@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-__all__ = ["RunResult", "MergeStrategy", "arrays_to_numpy", "buffers_of", "check_sampling", "check_model",
+__all__ = ["RunResult", "MergeStrategy", "StrategyOptions", "arrays_to_numpy", "buffers_of", "check_sampling", "check_model",
            "metric_record", "numpy_to_arrays"]
 
 ValidateFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, float] | None]
@@ -159,6 +159,32 @@ class RunResult(Result):
         return super().__repr__() + "\n" + self.aggregation_summary()
 
 
+@dataclass(frozen=True)
+class StrategyOptions:
+    """The options every strategy of this package takes beside Flower's, spelled once.
+
+    The strategies take them as keyword arguments (``FedFiOT(model=Net(), server_data=...)``)
+    and pull them apart from ``FedAvg``'s with :meth:`split`; see :class:`MergeStrategy` for
+    what each does.
+    """
+
+    model: torch.nn.Module | None = None
+    buffers: Sequence[str] | None = None
+    validate_fn: ValidateFn | None = None
+    server_data: Dataset[Any] | None = None
+    refine: RefineOptions | None = None
+    min_valid_replies: int | None = None
+    fedavg_baseline: bool = True
+    bn_recalibration: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+    node_wait_s: float | None = None
+
+    @classmethod
+    def split(cls, options: Mapping[str, Any]) -> tuple[StrategyOptions, dict[str, Any]]:
+        """``(this package's options, the rest)`` of keyword arguments; the rest are Flower ``FedAvg``'s."""
+        own = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in options.items() if k in own}), {k: v for k, v in options.items() if k not in own}
+
+
 class MergeStrategy(FedAvg):
     """Flower's ``FedAvg`` with a pluggable one-shot-capable aggregator.
 
@@ -198,27 +224,17 @@ class MergeStrategy(FedAvg):
         with the connected ones (at least ``min_valid_replies``); nodes lost since an earlier
         round are reported as ``unavailable_nodes``. ``None``: Flower's unbounded wait.
     **fedavg_options
-        Everything Flower's ``FedAvg`` takes, with ``FedAvg``'s defaults (``fraction_train``,
+        The options above (the fields of :class:`StrategyOptions`), and everything Flower's
+        ``FedAvg`` takes, with ``FedAvg``'s defaults (``fraction_train``,
         ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``,
         ``min_available_nodes``, ``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``,
         ``train_metrics_aggr_fn``, ``evaluate_metrics_aggr_fn``).
     """
 
-    def __init__(
-        self,
-        aggregator: Aggregator,
-        *,
-        model: torch.nn.Module | None = None,
-        buffers: Sequence[str] | None = None,
-        validate_fn: ValidateFn | None = None,
-        server_data: Dataset[Any] | None = None,
-        refine: RefineOptions | None = None,
-        min_valid_replies: int | None = None,
-        fedavg_baseline: bool = True,
-        bn_recalibration: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
-        node_wait_s: float | None = None,
-        **fedavg_options: Any,
-    ) -> None:
+    def __init__(self, aggregator: Aggregator, **fedavg_options: Any) -> None:
+        own, fedavg_options = StrategyOptions.split(fedavg_options)
+        model, buffers, validate_fn, refine = own.model, own.buffers, own.validate_fn, own.refine
+        bn_recalibration, min_valid_replies = own.bn_recalibration, own.min_valid_replies
         FedAvg.__init__(self, **fedavg_options)
         show_package_logs()
         check_sampling(aggregator.label, fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate,
@@ -226,7 +242,7 @@ class MergeStrategy(FedAvg):
                        min_available_nodes=self.min_available_nodes)
         check_model(model, aggregator.label)
         self.aggregator = aggregator
-        plan = plan_server_data(aggregator.label, model, server_data, refine, validate_fn, aggregator.describe,
+        plan = plan_server_data(aggregator.label, model, own.server_data, refine, validate_fn, aggregator.describe,
                                 getattr(aggregator, "spec", None))
         if plan.stage is not None and bn_recalibration is not None:
             raise ValueError(f"{aggregator.label}: pass refine or bn_recalibration, not both (the refinement "
@@ -242,7 +258,7 @@ class MergeStrategy(FedAvg):
             buffers=tuple(buffers) if buffers is not None else buffers_of(model),
             validate_fn=plan.validate_fn,
             min_valid_replies=min_valid,
-            fedavg_baseline=fedavg_baseline,
+            fedavg_baseline=own.fedavg_baseline,
             post_merge=stage,
         )
         self.plan = f"{aggregator.label}: {plan.describe}"
@@ -250,7 +266,7 @@ class MergeStrategy(FedAvg):
         self.server_metrics: dict[int, MetricRecord] = {}
         self._broadcast: Model | None = None
         self._sent: list[Message] = []
-        self._node_waiter = NodeWaiter(node_wait_s)
+        self._node_waiter = NodeWaiter(own.node_wait_s)
         self.unavailable_nodes: dict[int, list[int]] = {}  # round -> nodes lost since an earlier round
         self.history = RoundHistory()
         """Flower's per-round metrics so far (what ``start``'s ``Result`` holds), kept for a resume."""

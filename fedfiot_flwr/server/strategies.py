@@ -12,19 +12,13 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from fedfiot_flwr.merge import PermutationSpec, spec_from_module
-from fedfiot_flwr.refine.options import RefineOptions
-from fedfiot_flwr.server.aggregators import (
-    FedFiOTAggregator,
-    FedFisherAggregator,
-    FedFisherOptions,
-    RegMeanAggregator,
-)
+from fedfiot_flwr.baselines.fedfisher_options import FedFisherOptions
+from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
 from fedfiot_flwr.server.config import FedFiOTConfig
-from fedfiot_flwr.server.shell import MergeStrategy, ValidateFn, check_model, show_package_logs
+from fedfiot_flwr.server.shell import MergeStrategy, StrategyOptions, check_model, show_package_logs
 
 if TYPE_CHECKING:
     import torch
-    from torch.utils.data import Dataset
 
 __all__ = ["FedFiOT", "FedFisherStrategy", "RegMeanStrategy", "fedfiot_aggregator", "refuse_config_fields"]
 
@@ -119,6 +113,8 @@ class FedFiOT(MergeStrategy):
     fedavg_baseline : bool
         Also compute FedAvg of the same uploads each round (reported next to FedFiOT's model).
     **fedavg_options
+        The options above from ``validate_fn`` on, :class:`~fedfiot_flwr.server.shell.MergeStrategy`'s
+        other options (the fields of :class:`~fedfiot_flwr.server.shell.StrategyOptions`), and
         Flower ``FedAvg``'s options, with its defaults (``fraction_train=1.0``,
         ``fraction_evaluate=1.0``, ``min_train_nodes=2``, ..., ``train_metrics_aggr_fn``,
         ``evaluate_metrics_aggr_fn``).
@@ -130,25 +126,16 @@ class FedFiOT(MergeStrategy):
         model: torch.nn.Module | None = None,
         *,
         config: FedFiOTConfig | None = None,
-        validate_fn: ValidateFn | None = None,
-        server_data: Dataset[Any] | None = None,
-        refine: RefineOptions | None = None,
-        buffers: Sequence[str] | None = None,
-        min_valid_replies: int | None = None,
-        fedavg_baseline: bool = True,
         **fedavg_options: Any,
     ) -> None:
         refuse_config_fields("FedFiOT", fedavg_options)
         self.requested_config = config if config is not None else FedFiOTConfig.default()
-        aggregator = fedfiot_aggregator(spec, model, config, validate_fn is not None or server_data is not None,
-                                        refine is not None)
+        own, _ = StrategyOptions.split(fedavg_options)
+        aggregator = fedfiot_aggregator(spec, model, config, own.validate_fn is not None or own.server_data is not None,
+                                        own.refine is not None)
         self.fedfiot_config = aggregator.settings
         self.spec = aggregator.spec
-        super().__init__(
-            aggregator,
-            model=model, buffers=buffers, validate_fn=validate_fn, server_data=server_data, refine=refine,
-            min_valid_replies=min_valid_replies, fedavg_baseline=fedavg_baseline, **fedavg_options,
-        )
+        super().__init__(aggregator, model=model, **fedavg_options)
 
     def __repr__(self) -> str:
         return f"FedFiOT(config={self.fedfiot_config!r})"
@@ -163,7 +150,7 @@ class FedFisherStrategy(MergeStrategy):
     variant : {"kfac", "diag"}
         Kronecker-factored or diagonal Fishers.
     **options
-        FedFisher's knobs, the fields of :class:`~fedfiot_flwr.server.aggregators.FedFisherOptions`
+        FedFisher's knobs, the fields of :class:`~fedfiot_flwr.baselines.FedFisherOptions`
         (``steps``, ``lr``, ``eval_every``, ``optimizer``, ``fisher_scaling``, ``damping``,
         ``fisher_kind``, ``selection_metric``, ``device``), and
         :class:`~fedfiot_flwr.server.shell.MergeStrategy`'s options (``model``, ``validate_fn`` or

@@ -19,8 +19,8 @@ from fedfiot_flwr.psd import InputGram, KFACFactors
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
 from fedfiot_flwr.wire import ClientUpload, CurvatureUpload, content_bytes, decode_reply, payload_bytes, reply_layout
 
-__all__ = ["DUPLICATE_REASON", "CollectedUploads", "FirstReplies", "Rejection", "collect_uploads", "majority_layout",
-           "require_enough"]
+__all__ = ["DUPLICATE_REASON", "CollectedUploads", "FirstReplies", "Rejection", "TooFewValidReplies", "collect_uploads",
+           "majority_layout", "require_enough"]
 
 DUPLICATE_REASON = "duplicate reply: only the node's first reply of the round counts"
 
@@ -237,18 +237,22 @@ def majority_layout(uploads: Iterable[ClientUpload | CurvatureUpload]) -> Signat
     return next(sig for sig, c in counts.items() if c == best)
 
 
+class TooFewValidReplies(RuntimeError):
+    """A round ended with fewer valid replies than it needs; the message lists every excluded client."""
+
+
 def require_enough(collected: CollectedUploads, min_valid: int, server_round: int, label: str = "FedFiOT") -> None:
     """Raise a clear error when too few valid replies remain for the merge.
 
     Raises
     ------
-    RuntimeError
+    TooFewValidReplies
         If fewer than ``min_valid`` uploads passed validation; lists every excluded client.
     """
     if len(collected) >= max(1, min_valid):
         return
     details = "; ".join(f"client {r.client}: {r.reason}" for r in collected.rejections) or "no replies"
-    raise RuntimeError(
+    raise TooFewValidReplies(
         f"{label} round {server_round}: only {len(collected)} valid replies, at least {max(1, min_valid)} "
         f"needed (min_valid_replies). Excluded: {details}"
     )
