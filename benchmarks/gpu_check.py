@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.merge_scale import cnn_clients, vgg_uploads, wide_layer_uploads  # noqa: E402
-from benchmarks.portable import command_line  # noqa: E402
+from benchmarks.portable import REPO_ROOT, command_line  # noqa: E402
 from fedfiot_flwr.data.loaders import read_idx  # noqa: E402
 from fedfiot_flwr.fisher import diagonal_fisher  # noqa: E402
 from fedfiot_flwr.merge import MergeSpeed, PermutationSpec, cnn_spec, merge, spec_from_module  # noqa: E402
@@ -86,7 +86,7 @@ class Report:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / "profile.txt", "a") as f:
-            f.write(f"==== {what}\n{text.getvalue()}\n")
+            f.write(f"==== {what}\n{portable_profile(text.getvalue())}\n")
         return value
 
     def time_left(self) -> float:
@@ -106,6 +106,18 @@ class Report:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "gpu.json").write_text(json.dumps(self.payload, indent=1, default=str) + "\n")
         (self.out_dir / "gpu.md").write_text(markdown(self.payload))
+
+
+def portable_profile(text: str) -> str:
+    """A profile table with the repository's and the interpreter's paths written as placeholders."""
+    import site
+    import sysconfig
+
+    roots = [(str(REPO_ROOT) + os.sep, ""), *((d + os.sep, "<site-packages>/") for d in site.getsitepackages()),
+             (sysconfig.get_paths()["stdlib"] + os.sep, "<python>/")]
+    for root, placeholder in roots:
+        text = text.replace(root, placeholder)
+    return text
 
 
 # ----------------------------------------------------------------------------- timing

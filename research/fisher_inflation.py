@@ -16,7 +16,7 @@ chosen rho, lam) and whether the attacker was excluded by the reply bounds.
 
 Run (digits, the app's default data, then Fashion-MNIST on the cached one-shot uploads):
 
-    .venv/bin/python research/fisher_inflation.py --datasets digits fashion-mnist --cache-dir /work/cache
+    .venv/bin/python research/fisher_inflation.py --datasets digits fashion-mnist --cache-dir <cache-dir>
 
 Outputs: ``research/results/fisher_inflation.{md,json}``.
 """

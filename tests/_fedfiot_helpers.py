@@ -17,6 +17,17 @@ from fedfiot_flwr.merge import PermutationSpec, mlp_spec
 from fedfiot_flwr.server.shell import numpy_to_arrays
 from fedfiot_flwr.server.uploads import CollectedUploads
 
+@pytest.fixture(scope="module")
+def one_torch_thread():  # noqa: ANN201
+    """torch on one thread for a module's tests (long benchmark smoke runs beside other jobs), restored after."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(autouse=True)
 def task_identity():  # noqa: ANN201
     """Messages need the identity of the running task (set by Flower inside a real ServerApp).

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _fedfiot_helpers import one_torch_thread  # noqa: F401 - fixture
 import torch
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
@@ -21,11 +22,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _threads(one_torch_thread):  # noqa: ANN001, ANN202
     yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _fedfiot_helpers import one_torch_thread  # noqa: F401 - fixture
 import torch
 
 from benchmarks import harness as H
@@ -27,11 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _threads(one_torch_thread):  # noqa: ANN001, ANN202
     yield
-    torch.set_num_threads(old)
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -415,31 +415,16 @@ def merge(
         models except the tensors named in ``buffers``.
     spec : PermutationSpec
         Which axes of which tensors each hidden-unit permutation moves.
-    lam : float
-        Damping ``lambda > 0`` added after tempering.
-    rho : float
-        Tempering exponent in ``(0, 1]``: the merge uses ``F**rho + lam``.
-    max_iters : int
-        Inner iterations ``S`` per permutation (early stop when alignments repeat).
-    reference : int, "largest" or dict
-        Initial global layer ``w[0]``: a client index, the client with most examples, or a model
-        (e.g. the broadcast model).
+    lam, rho, max_iters, reference, matching, aggregation, fallback, fisher_scaling
+        The algorithm's options, each as :class:`~fedfiot_flwr.merge.options.MergeOptions`
+        documents and validates it (``reference`` may also be a model dict, e.g. the broadcast
+        model).
     num_examples : sequence of int, optional
         Client sizes; needed for ``reference="largest"`` and ``aggregation="size"``.
-    matching : {"fisher", "euclidean", "none"}
-        Alignment cost: Fisher-weighted, unit-weighted, or no alignment (identity).
-    aggregation : {"fisher", "uniform", "size"}
-        Fisher-weighted, uniform, or ``num_examples``-weighted averaging.
     buffers : collection of str
         Tensors without a Fisher (BatchNorm running statistics); see the module docstring.
-    fallback : {"objective", "none"}
-        ``"objective"``: the paper's rule (keep the aligned merge unless its full-model objective
-        is strictly above the identity merge's); ``"none"``: always keep the aligned merge.
     client_ids : sequence of str, optional
         Names used in error messages (default: the client indices).
-    fisher_scaling : {"none", "size", "normalized", "normalized-size"}
-        Per-client rescaling of the raw Fisher before tempering (see :func:`scale_fishers`);
-        ``"none"`` is the paper's eq. 106.
     speed : MergeSpeed, optional
         How the merge is computed (cost precision, solver, threads, certified assignments,
         torch backend, memory budget); :class:`~fedfiot_flwr.merge.speed.MergeSpeed`'s defaults
