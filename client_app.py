@@ -85,7 +85,7 @@ def train(msg: Message, context: Context) -> Message:
     if cfg.strategy in ("fedfiot", "fedfisher-diag"):
         content = train_and_pack(
             model, loader, epochs, device=device, fisherloader=fisherloader, lr=lr, progress=False,
-            fisher_kind=cfg.client_fisher_kind(),
+            fisher_kind=cfg.client_fisher_kind(), config=config,
         )
     else:
         metrics = local_train(model, loader, epochs, device=device, lr=lr, progress=False)

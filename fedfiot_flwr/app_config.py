@@ -150,6 +150,7 @@ def rules() -> dict[str, Rule]:
         "lam": Rule(positive, lambda v: math.isfinite(v) and v > 0),
         "rho": Rule("a number in (0, 1]", lambda v: 0 < v <= 1),
         "max_iters": Rule("an integer >= 1", lambda v: v >= 1),
+        "fisher_rounds": Rule("an integer: -1 (the preset's), 0 (every round) or n >= 1", lambda v: v >= -1),
         "reference": Rule(_one_of(REFERENCES) + " or a client index (0, 1, ...)",
                           lambda v: v in REFERENCES or re.fullmatch(r"\d+", v) is not None),
         "matching": Rule(_one_of(MATCHINGS), lambda v: v in MATCHINGS),
@@ -282,6 +283,9 @@ class AppConfig:
         The merge: ``preset`` names :meth:`fedfiot_flwr.FedFiOTConfig.default` or ``.paper``; the
         other keys are that configuration's fields (``fallback`` is its ``selection``; empty: the
         preset's).
+    fisher_rounds
+        :attr:`fedfiot_flwr.FedFiOTConfig.fisher_rounds`: -1 the preset's, 0 every round, ``n``
+        rounds 1 to ``n`` with the Fisher and FedAvg afterwards.
     sweep, sweep_rho, sweep_lam, sweep_reference, sweep_fisher_scaling
         Server-side selection on the validation set over the grid (comma-separated lists).
     server_refine
@@ -341,6 +345,7 @@ class AppConfig:
     fisher_scaling: str = "none"
     preset: str = "default"
     fallback: str = ""
+    fisher_rounds: int = -1
     sweep: bool = True
     server_refine: bool = False
     sweep_rho: str = ",".join(f"{v:g}" for v in DEFAULT_GRID_RHOS)

@@ -31,6 +31,7 @@ from torch import nn
 
 from fedfiot_flwr.batches import resolve_device
 from fedfiot_flwr.fisher import FISHER_KINDS, diagonal_fisher
+from fedfiot_flwr.options import FISHER_CONFIG_KEY
 from fedfiot_flwr.task import split_batch, train
 from fedfiot_flwr.wire import (  # re-exported: the client half of the wire format
     ARRAYS_RECORD,
@@ -113,8 +114,10 @@ def _fisher_round(
     fisher_kind: str,
     device: torch.device | str | None,
     progress: bool | None,
+    wanted: bool = True,
 ) -> ClientRound:
-    """Diagonal Fisher of ``model`` over ``loader``, then 16-bit packing (see :func:`fisher_reply`)."""
+    """Diagonal Fisher of ``model`` over ``loader`` (skipped when not ``wanted``), then 16-bit packing
+    (see :func:`fisher_reply`)."""
     if fisher_kind not in FISHER_KINDS:
         raise ValueError(f"fisher_kind must be one of {FISHER_KINDS}, got {fisher_kind!r}")
     extra = dict(metrics or {})
@@ -122,7 +125,10 @@ def _fisher_round(
         sent = extra.pop(NUM_EXAMPLES_KEY)
         num_examples = int(sent) if num_examples is None else num_examples
     start = time.perf_counter()
-    fisher = diagonal_fisher(model, loader, fisher_kind, device=_device(device), progress=progress)
+    if wanted:
+        fisher = diagonal_fisher(model, loader, fisher_kind, device=_device(device), progress=progress)
+    else:
+        fisher = {}
     seconds = time.perf_counter() - start
     n = count_examples(loader) if num_examples is None else int(num_examples)
     weights = {k: to_numpy(v).copy() for k, v in model.state_dict().items()}
@@ -138,7 +144,7 @@ def fisher_reply(
     num_examples: int | None = None,
     fisher_kind: str = "empirical",
     device: torch.device | str | None = None,
-    progress: bool | None = False,
+    config: Mapping[str, Any] | None = None,
 ) -> RecordDict:
     """The FedFiOT reply of a model you trained yourself: diagonal Fisher, then 16-bit packing.
 
@@ -163,15 +169,22 @@ def fisher_reply(
         one's cost). All three are the same bytes on the wire.
     device : torch.device or str, optional
         Where the Fisher pass runs (default: CUDA when available).
-    progress : bool, optional
-        Show a tqdm bar (``None``: only on a terminal, and only with tqdm installed).
+    config : mapping, optional
+        The round's train config (``msg.content["config"]``). When the server says it will not use
+        the Fisher this round (:data:`~fedfiot_flwr.options.FISHER_CONFIG_KEY` false, e.g. after
+        the default's Fisher rounds) the pass is skipped and only the 16-bit weights are sent.
 
     Returns
     -------
     RecordDict
         The reply content (see :mod:`fedfiot_flwr.wire`).
     """
-    return _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, progress).reply
+    return _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, False, fisher_wanted(config)).reply
+
+
+def fisher_wanted(config: Mapping[str, Any] | None) -> bool:
+    """Whether a round's train config asks for the Fisher (yes unless it says no)."""
+    return bool((config or {}).get(FISHER_CONFIG_KEY, True))
 
 
 def curvature_reply(
@@ -267,6 +280,7 @@ def train_round(
     fisherloader: Iterable[Any] | None = None,
     num_examples: int | None = None,
     progress: bool | None = None,
+    config: Mapping[str, Any] | None = None,
     **train_kwargs: Any,
 ) -> ClientRound:
     """This project's client round (:func:`train_and_pack`), with the unquantized weights and Fisher
@@ -291,6 +305,9 @@ def train_round(
         Local data set size; defaults to ``len(fisherloader.dataset)`` (or a count).
     progress : bool, optional
         tqdm bars; ``None`` shows them only on a terminal, and only with tqdm installed.
+    config : mapping, optional
+        The round's train config; the Fisher pass is skipped when it says the server will not use it
+        (see :func:`fisher_reply`).
     **train_kwargs
         Passed to :func:`fedfiot_flwr.task.train` (``lr``, ``momentum``, ``weight_decay``,
         ``augment``).
@@ -304,5 +321,5 @@ def train_round(
     metrics = train(model, trainloader, epochs, device=device, progress=progress, **train_kwargs)
     train_seconds = time.perf_counter() - start
     loader = trainloader if fisherloader is None else fisherloader
-    packed = _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, progress)
+    packed = _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, progress, fisher_wanted(config))
     return replace(packed, train_seconds=train_seconds)

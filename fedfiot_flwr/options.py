@@ -22,6 +22,7 @@ __all__ = [
     "BACKENDS",
     "CLIENT_FISHER_KINDS",
     "COST_DTYPES",
+    "DEFAULT_FISHER_ROUNDS",
     "DEFAULT_LAM",
     "DEFAULT_MAX_ITERS",
     "DEFAULT_RHO",
@@ -30,6 +31,7 @@ __all__ = [
     "DEFAULT_GRID_RHOS",
     "FEDFISHER_VARIANTS",
     "FISHER_CAP_RULES",
+    "FISHER_CONFIG_KEY",
     "FISHER_SCALINGS",
     "INITS",
     "LAP_SOLVERS",
@@ -43,6 +45,7 @@ __all__ = [
     "SERVER_FISHER_KINDS",
     "STRATEGIES",
     "alignment_kept",
+    "uses_fisher",
 ]
 
 Model = dict[str, np.ndarray]
@@ -87,6 +90,27 @@ def alignment_kept(aligned_objective: float, identity_objective: float) -> bool:
     only a strictly higher objective falls back to the identity merge.
     """
     return not aligned_objective > identity_objective
+
+
+# --- many rounds ----------------------------------------------------------------------------
+DEFAULT_FISHER_ROUNDS = 3
+"""Rounds in which the default merges with the Fisher (then the size-weighted average, as FedAvg)."""
+FISHER_CONFIG_KEY = "fedfiot-fisher"
+"""Train-config entry telling a client whether this round's server uses its Fisher (``False``: skip the pass)."""
+
+
+def uses_fisher(server_round: int, fisher_rounds: int | None) -> bool:
+    """Whether round ``server_round`` (1-based) merges with the clients' Fisher.
+
+    ``fisher_rounds=None`` uses it in every round (the paper); ``n`` uses it in rounds 1 to ``n``
+    and averages the weights by client size afterwards, when the clients start every round from
+    one broadcast model, the alignment has nothing left to move, and the Fisher weighting
+    compounds the confident clients' logit growth round after round.
+
+    >>> [uses_fisher(r, 2) for r in (1, 2, 3)], uses_fisher(50, None)
+    ([True, True, False], True)
+    """
+    return fisher_rounds is None or server_round <= fisher_rounds
 
 
 # --- the paper's selection grid ----------------------------------------------------------------

@@ -43,6 +43,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("rho", 0.0, "a number in (0, 1]"),
     ("rho", 2, "a number in (0, 1]"),
     ("max-iters", 0, "an integer >= 1"),
+    ("fisher-rounds", -2, "an integer: -1 (the preset's), 0 (every round) or n >= 1"),
     ("reference", "smallest", "one of largest, broadcast or a client index"),
     ("matching", "cosine", "one of fisher, euclidean, none"),
     ("aggregation", "median", "one of fisher, uniform, size"),

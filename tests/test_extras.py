@@ -169,14 +169,14 @@ CHILD = textwrap.dedent(
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from fedfiot_flwr.client import curvature_reply, fisher_reply
+    from fedfiot_flwr.client import curvature_reply, fisher_reply, train_round
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
     loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.arange(8) % 3), batch_size=4)
     attempt("fisher_reply", lambda: fisher_reply(model, loader, {"num-examples": 8}, device="cpu"))
-    attempt("fisher_reply_auto_bar", lambda: fisher_reply(model, loader, device="cpu", progress=None))
-    attempt("fisher_reply_bar", lambda: fisher_reply(model, loader, device="cpu", progress=True))
+    attempt("train_round_auto_bar", lambda: train_round(model, loader, 1, device="cpu", progress=None))
+    attempt("train_round_bar", lambda: train_round(model, loader, 1, device="cpu", progress=True))
     attempt("regmean", lambda: curvature_reply("regmean", model, loader, device="cpu"))
     attempt("kfac", lambda: curvature_reply("fedfisher-kfac", model, loader, device="cpu"))
 
@@ -210,7 +210,7 @@ def test_the_strategy_client_and_data_packages_import_without_the_extras(blocked
 
 def test_fisher_reply_runs_without_the_extras(blocked_run: dict) -> None:
     assert blocked_run["fisher_reply"] == "ok"
-    assert blocked_run["fisher_reply_auto_bar"] == "ok"  # a bar only where tqdm is installed
+    assert blocked_run["train_round_auto_bar"] == "ok"  # a bar only where tqdm is installed
     assert blocked_run["dirichlet"] == "ok"  # numpy only
 
 
@@ -219,7 +219,7 @@ def test_fisher_reply_runs_without_the_extras(blocked_run: dict) -> None:
     [
         ("regmean", "curvlinops-for-pytorch", "baselines"),
         ("kfac", "curvlinops-for-pytorch", "baselines"),
-        ("fisher_reply_bar", "tqdm", "progress"),
+        ("train_round_bar", "tqdm", "progress"),
         ("digits", "scikit-learn", "data"),
         ("heatmap", "matplotlib", "plots"),
     ],

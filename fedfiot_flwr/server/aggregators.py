@@ -30,7 +30,7 @@ from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome, ValidateFn
 from fedfiot_flwr.server.selection import sweep_candidates
 from fedfiot_flwr.server.uploads import CollectedUploads
 from fedfiot_flwr.baselines.fedfisher_options import FedFisherOptions
-from fedfiot_flwr.options import Model
+from fedfiot_flwr.options import Model, uses_fisher
 
 __all__ = [
     "Aggregator",
@@ -126,10 +126,20 @@ class FedFiOTAggregator:
         """Largest Fisher entry a reply may carry (``None``: any finite one, which the robust cap neutralises)."""
         return fisher_bound_for(self.settings.fisher_cap)
 
+    def wants_fisher(self, server_round: int) -> bool:
+        """Whether round ``server_round`` merges with the clients' Fisher (``fisher_rounds``)."""
+        return uses_fisher(server_round, self.settings.fisher_rounds)
+
+    def for_round(self, server_round: int) -> Aggregator:
+        """This aggregator while it uses the Fisher; the size-weighted average, under FedFiOT's label, after."""
+        return self if self.wants_fisher(server_round) else FedAvgAggregator(self.label)
+
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
         """The candidate sweep with this configuration (:func:`~fedfiot_flwr.server.selection.sweep_candidates`):
         the round's merge, selected on validation data when the configuration asks for it."""
-        return sweep_candidates(uploads, self.spec, self.settings, context)
+        outcome = sweep_candidates(uploads, self.spec, self.settings, context)
+        outcome.metrics["fisher-used"] = 1
+        return outcome
 
 
 def describe_fedfiot_choice(chosen: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
@@ -152,11 +162,19 @@ def describe_fedfiot_choice(chosen: Mapping[str, Any], metrics: Mapping[str, Any
 
 
 class FedAvgAggregator:
-    """FedAvg (example-weighted mean of the weights) of the same uploads any strategy receives."""
+    """FedAvg (example-weighted mean of the weights) of the same uploads any strategy receives.
 
-    label = "FedAvg"
+    Parameters
+    ----------
+    label : str
+        The name in logs and reports (FedFiOT's, when it averages after its Fisher rounds).
+    """
+
     reply_kind = "weights"
     fisher_kind: str | None = None
+
+    def __init__(self, label: str = "FedAvg") -> None:
+        self.label = label
 
     def config(self) -> dict[str, Any]:
         """No options."""
@@ -168,7 +186,8 @@ class FedAvgAggregator:
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
         """``sum_k n_k W_k / sum_k n_k``."""
-        return RoundOutcome(size_weighted_average(uploads.weights, uploads.num_examples), {"method": "fedavg"})
+        return RoundOutcome(size_weighted_average(uploads.weights, uploads.num_examples), {"method": "fedavg"},
+                            {"fisher-used": 0})
 
 
 # -------------------------------------------------------------------------------- FedFisher

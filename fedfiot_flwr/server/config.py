@@ -10,7 +10,9 @@ Two named configurations:
   whichever of the aligned merge, the identity merge and FedAvg of the same uploads validates
   best, and tries the Fisher scaled by client size in the grid; FedFiOT's own merge is always
   reported next to a FedAvg win, and no client's Fisher may exceed ``DEFAULT_FISHER_CAP`` times the
-  clients' median (robust weighting). Without validation data its merge rule is the paper's.
+  clients' median (robust weighting). Without validation data its merge rule is the paper's. After
+  ``DEFAULT_FISHER_ROUNDS`` rounds it averages the weights by client size, as FedAvg does, and the
+  clients skip the Fisher pass (``fisher_rounds``).
 
 Neither configuration trains on server data: fitting the model on the server's labelled examples
 is a separate post-merge stage the strategy runs only when asked (``refine=RefineOptions()``,
@@ -30,6 +32,7 @@ from fedfiot_flwr.merge import FISHER_SCALINGS, MergeSpeed
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, DEFAULT_FISHER_CAP_RULE
 from fedfiot_flwr.merge.validate import check_options
 from fedfiot_flwr.options import (
+    DEFAULT_FISHER_ROUNDS,
     DEFAULT_LAM,
     DEFAULT_MAX_ITERS,
     DEFAULT_RHO,
@@ -108,6 +111,11 @@ class FedFiOTConfig:
         Start each swept candidate's alignment from its nearest already-merged neighbour's (same
         reference and scaling, one grid step away; :mod:`fedfiot_flwr.server.warm_starts`).
         Faster, but not the paper's cold start: it can change the choice, so it is opt-in.
+    fisher_rounds : int or None
+        Merge with the clients' Fisher in rounds 1 to ``fisher_rounds`` only; afterwards the round
+        is the size-weighted average of the weights (FedAvg of the same uploads) and the train
+        config tells the clients to skip the Fisher pass (:func:`fedfiot_flwr.options.uses_fisher`).
+        ``None``: every round (the paper).
     race : bool
         When the validation function offers ``validate_bounded`` (the one of
         :func:`fedfiot_flwr.validation.make_validate_fn` does), stop scoring a candidate as soon
@@ -136,6 +144,7 @@ class FedFiOTConfig:
     backend: str = "numpy"
     warm_start: bool = False
     race: bool = True
+    fisher_rounds: int | None = None
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
@@ -152,6 +161,9 @@ class FedFiOTConfig:
             raise ValueError(f"fisher_cap must be >= 1, or 0 / None for no cap, got {self.fisher_cap!r}")
         if self.fisher_cap_rule not in FISHER_CAP_RULES:
             raise ValueError(f"fisher_cap_rule must be one of {FISHER_CAP_RULES}, got {self.fisher_cap_rule!r}")
+        if self.fisher_rounds is not None and (isinstance(self.fisher_rounds, bool)
+                                               or not isinstance(self.fisher_rounds, int) or self.fisher_rounds < 1):
+            raise ValueError(f"fisher_rounds must be an integer >= 1, or None for every round, got {self.fisher_rounds!r}")
         for name in ("warm_start", "race"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -176,7 +188,8 @@ class FedFiOTConfig:
     def default(cls, **changes: Any) -> FedFiOTConfig:
         """This project's default: validation chooses among aligned, identity and FedAvg of the same uploads."""
         base = cls(name="default", selection="validation", sweep=SweepGrid(fisher_scalings=("none", "size")),
-                   fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP, certify=True)
+                   fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP, certify=True,
+                   fisher_rounds=DEFAULT_FISHER_ROUNDS)
         return replace(base, **changes)
 
     @classmethod
@@ -210,15 +223,17 @@ class FedFiOTConfig:
                 "validation": ("the aligned, the identity or FedAvg's merge" if cfg.fedavg_candidate
                                else "the aligned or the identity merge") + ", whichever validates best",
                 "none": "always the aligned merge"}[cfg.selection]
+        then = ("" if cfg.fisher_rounds is None else
+                f"; from round {cfg.fisher_rounds + 1} on, the size-weighted average (FedAvg) without the clients' Fisher pass")
         if cfg.sweep is None or not has_validation:
             knobs = f"rho={cfg.rho:g}, lam={cfg.lam:g}, reference={cfg.reference}"
-            return f"FedFiOT merge ({self.name}) with {knobs} and {rule}"
+            return f"FedFiOT merge ({self.name}) with {knobs} and {rule}{then}"
         g = cfg.sweep
         size = len(g.rhos) * len(g.lams) * len(g.references) * len(g.fisher_scalings)
         first = len(g.candidates(None, 1, cfg.broadcast_in_round_one))
         round_one = f" ({first} in round 1, without the broadcast reference)" if first != size else ""
         return (f"FedFiOT merge ({self.name}): up to {size} knob settings{round_one} (rho, lam, reference, Fisher "
-                f"scaling) and {rule}")
+                f"scaling) and {rule}{then}")
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view."""

@@ -95,6 +95,7 @@ class RoundMerger:
         self.post_merge = post_merge
         self.reports: list[dict[str, Any]] = []
         self.last: RoundOutcome | None = None
+        self._handed_over = False
 
     def _validate(self, model: Model) -> dict[str, float] | None:
         if self.validate_fn is None:
@@ -135,10 +136,10 @@ class RoundMerger:
         RuntimeError
             When fewer than ``min_valid_replies`` replies are valid; lists every excluded client.
         """
-        uploads = self._collect(server_round, replies, errors, broadcast)
+        aggregator = self.round_aggregator(server_round)
+        uploads = self._collect(server_round, replies, errors, broadcast, aggregator)
         t0 = time.perf_counter()
-        outcome = self.aggregator.aggregate(uploads, RoundContext(server_round, broadcast, self.buffers,
-                                                                  self.validate_fn))
+        outcome = aggregator.aggregate(uploads, RoundContext(server_round, broadcast, self.buffers, self.validate_fn))
         order = list(broadcast) if broadcast is not None else list(uploads.weights[0])
         stage = self._finish(outcome, uploads, order)
         seconds = time.perf_counter() - t0
@@ -149,16 +150,26 @@ class RoundMerger:
         self._log(server_round, outcome, outcome.validation, stage, seconds, uploads)
         return outcome
 
+    def round_aggregator(self, server_round: int) -> Aggregator:
+        """The aggregator of round ``server_round`` (FedFiOT after its Fisher rounds: the size-weighted average)."""
+        for_round = getattr(self.aggregator, "for_round", None)
+        aggregator = self.aggregator if for_round is None else for_round(server_round)
+        if aggregator is not self.aggregator and not self._handed_over:
+            self._handed_over = True
+            log(INFO, "%s round %s: from this round on, the clients' weights are averaged by size (FedAvg) and the "
+                "clients skip the Fisher pass (fisher_rounds)", self.aggregator.label, server_round)
+        return aggregator
+
     def _collect(self, server_round: int, replies: Iterable[tuple[str, RecordDict]],
-                 errors: Iterable[tuple[str, str]], broadcast: Model | None) -> CollectedUploads:
+                 errors: Iterable[tuple[str, str]], broadcast: Model | None, aggregator: Aggregator) -> CollectedUploads:
         """Decode and validate every reply once; log and record the excluded ones; require enough valid ones."""
-        label = self.aggregator.label
+        label = aggregator.label
         shapes = None if broadcast is None else {k: tuple(v.shape) for k, v in broadcast.items()}
         # An aggregator that caps the Fishers accepts any finite one (``fisher_bound`` None); the
         # others keep the absolute bound.
-        fisher_bound = getattr(self.aggregator, "fisher_bound", MAX_FISHER_MAGNITUDE)
-        uploads = collect_uploads(replies, shapes, self.buffers, errors, kind=self.aggregator.reply_kind,
-                                  fisher_kind=self.aggregator.fisher_kind, fisher_bound=fisher_bound)
+        fisher_bound = getattr(aggregator, "fisher_bound", MAX_FISHER_MAGNITUDE)
+        uploads = collect_uploads(replies, shapes, self.buffers, errors, kind=aggregator.reply_kind,
+                                  fisher_kind=aggregator.fisher_kind, fisher_bound=fisher_bound)
         log(INFO, "%s round %s: %d valid replies, %d excluded (%.2f MB received)", label, server_round,
                     len(uploads), len(uploads.rejections), uploads.bytes_received / 2**20)
         for rej in uploads.rejections:
@@ -246,8 +257,12 @@ class RoundMerger:
         """One readable line: what the round returned, the score that chose it, FedAvg on the same terms,
         and the excluded clients."""
         label = self.aggregator.label
-        what = (describe_fedfiot_choice(outcome.chosen, outcome.metrics) if "variant" in outcome.chosen
-                and outcome.chosen.get("variant") in ("aligned", "identity", "fedavg") else f"chose {outcome.chosen}")
+        if outcome.chosen.get("variant") in ("aligned", "identity", "fedavg"):
+            what = describe_fedfiot_choice(outcome.chosen, outcome.metrics)
+        elif outcome.chosen == {"method": "fedavg"}:
+            what = "the size-weighted average of the weights (FedAvg)"
+        else:
+            what = f"chose {outcome.chosen}"
         if stage is not None:
             what += f"; returned {stage.returned}"
         val = ""

@@ -34,7 +34,7 @@ from fedfiot_flwr.server.resume import RoundHistory, continue_rounds
 from fedfiot_flwr.server.rounds import RoundMerger
 from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.uploads import FirstReplies
-from fedfiot_flwr.options import Model
+from fedfiot_flwr.options import FISHER_CONFIG_KEY, Model
 
 if TYPE_CHECKING:
     import torch
@@ -380,8 +380,16 @@ class MergeStrategy(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample as FedAvg (with a bounded wait for nodes); remember the broadcast model and the instructions."""
+        """Sample as FedAvg (with a bounded wait for nodes); remember the broadcast model and the instructions.
+
+        An aggregator that tells when it uses the clients' Fisher (``wants_fisher``) has the train
+        config say so under :data:`~fedfiot_flwr.options.FISHER_CONFIG_KEY`, for the clients to skip
+        the pass when it is not used.
+        """
         self._broadcast = arrays_to_numpy(arrays)
+        wants_fisher = getattr(self.aggregator, "wants_fisher", None)
+        if wants_fisher is not None:
+            config = ConfigRecord({**config, FISHER_CONFIG_KEY: bool(wants_fisher(server_round))})
         self._sent, lost = self._node_waiter.configure(
             self, grid, self.min_valid_replies, server_round,
             lambda: super(MergeStrategy, self).configure_train(server_round, arrays, config, grid),
