@@ -250,6 +250,45 @@ def scorer(model: torch.nn.Module, data: Any) -> Callable[[ArrayRecord], tuple[f
     return score
 
 
+def classifier_name(model: torch.nn.Module) -> str:
+    """The state-dict name of the last layer's weight (the logits layer)."""
+    return [name for name, p in model.named_parameters() if p.ndim == 2][-1]
+
+
+def merge_diagnostics(model: torch.nn.Module, strategy: Any, batches: Sequence[Any]) -> dict[str, float]:
+    """What this round's Fisher-weighted merge did that FedAvg of the same uploads would not.
+
+    On the server's held-out fold: the mean logit norm and loss of the returned model and of FedAvg
+    of the same uploads; on the uploads: the share of each client's logits-layer Fisher held by its
+    largest 1 % of entries (mean over clients) and the returned logits layer's relative distance to
+    FedAvg's.
+    """
+    last = getattr(strategy, "last_round", None)
+    if last is None or last.uploads is None or "fedavg" not in last.alternatives:
+        return {}
+    name = classifier_name(model)
+
+    @torch.no_grad()
+    def logits_stats(weights: dict[str, np.ndarray]) -> tuple[float, float]:
+        model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in weights.items()})
+        model.eval()
+        outs, ys = zip(*((model(x), y) for x, y in batches))
+        out, y = torch.cat(outs), torch.cat(ys)
+        return float(out.norm(dim=1).mean()), float(torch.nn.functional.cross_entropy(out, y))
+
+    own_norm, own_loss = logits_stats(last.model)
+    avg_norm, avg_loss = logits_stats(last.alternatives["fedavg"])
+    shares = []
+    for fisher in last.uploads.fishers:
+        f = np.sort(np.asarray(fisher.get(name, []), dtype=np.float64).ravel())[::-1]
+        if f.size and f.sum() > 0:
+            shares.append(float(f[: max(1, f.size // 100)].sum() / f.sum()))
+    own_w, avg_w = np.asarray(last.model[name]), np.asarray(last.alternatives["fedavg"][name])
+    return {"logit_norm": own_norm, "fedavg_same_logit_norm": avg_norm, "val_loss_own": own_loss,
+            "fedavg_same_val_loss": avg_loss, "fisher_top1pct_share": float(np.mean(shares)) if shares else None,
+            "logits_layer_distance_to_fedavg": float(np.linalg.norm(own_w - avg_w) / max(np.linalg.norm(avg_w), 1e-12))}
+
+
 def run_method(setting: RoundsSetting, fed: Federation, method: str) -> list[dict[str, Any]]:
     """One method's trajectory: a record per round (round 0: the initial model)."""
     model = build_model(setting.model, fed.input_shape, fed.num_classes, seed=setting.seed)
@@ -268,16 +307,20 @@ def run_method(setting: RoundsSetting, fed: Federation, method: str) -> list[dic
     strategy.aggregate_train = timed  # type: ignore[method-assign]
     test, val = scorer(model, fed.test), scorer(model, fed.validation)
     scores: dict[int, tuple[float, float, float, float]] = {}
+    diagnostics: dict[int, dict[str, float]] = {}
+    val_batches = list(DataLoader(fed.validation, batch_size=1000))
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         scores[server_round] = (*test(arrays), *val(arrays))
+        if server_round > 0:
+            diagnostics[server_round] = merge_diagnostics(model, strategy, val_batches)
         return MetricRecord({"test-accuracy": scores[server_round][0]})
 
     random.seed(setting.seed)  # Flower samples clients with `random`: the same draws for every method
     initial = ArrayRecord(build_model(setting.model, fed.input_shape, fed.num_classes, seed=setting.seed).state_dict())
     strategy.start(grid, initial, num_rounds=setting.rounds, evaluate_fn=evaluate)
-    return [round_record(setting, method, r, scores[r], times, server_s, getattr(strategy, "server_metrics", {}))
-            for r in sorted(scores)]
+    return [{**round_record(setting, method, r, scores[r], times, server_s, getattr(strategy, "server_metrics", {})),
+             "diagnostics": diagnostics.get(r, {})} for r in sorted(scores)]
 
 
 def round_record(setting: RoundsSetting, method: str, r: int, score: tuple[float, float, float, float],
