@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
+from logging import INFO
 from typing import Any, Protocol
 
 import numpy as np
+from flwr.supercore import log
 
 from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.choose import higher_is_better
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.reply_limits import fisher_bound_for
+from fedfiot_flwr.server.closeness import broadcast_cosines, describe_closeness
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome, ValidateFn
 from fedfiot_flwr.server.selection import sweep_candidates
@@ -112,6 +115,7 @@ class FedFiOTAggregator:
                             f"got {type(config).__name__}")
         self.spec = spec
         self.settings = config
+        self._told_close = False
 
     def config(self) -> dict[str, Any]:
         """The FedFiOT configuration."""
@@ -139,6 +143,15 @@ class FedFiOTAggregator:
         the round's merge, selected on validation data when the configuration asks for it."""
         outcome = sweep_candidates(uploads, self.spec, self.settings, context)
         outcome.metrics["fisher-used"] = 1
+        if context.broadcast is not None:
+            layers = [n for n in self.spec.names if n in context.broadcast and np.ndim(context.broadcast[n]) >= 2]
+            cosines = broadcast_cosines(uploads.weights, context.broadcast, layers)
+            outcome.metrics["client-broadcast-cosine"] = list(cosines.values())
+            outcome.record["client_broadcast_cosine"] = cosines
+            sentence = describe_closeness(cosines)
+            if sentence is not None and not self._told_close:
+                self._told_close = True  # said once per run: it holds for every later round alike
+                log(INFO, "%s round %s: %s", self.label, context.server_round, sentence)
         return outcome
 
 
