@@ -7,7 +7,8 @@ rendered with ``one_shot.py``'s own functions.
 
     .venv/bin/python benchmarks/combine_results.py runs/*.json --name one_shot
 
-``--drop METHOD ...`` leaves those methods' records out. ``--equal-terms equal_terms.json`` adds the
+The epochs chosen on validation (``--select-epochs`` in any input) are chosen again over the
+combined records. ``--drop METHOD ...`` leaves those methods' records out. ``--equal-terms equal_terms.json`` adds the
 second protocol (server data may also fit: ``benchmarks/equal_terms.py``'s records, kept under the
 payload's ``"equal_terms"`` key) to the page.
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import epoch_selection as E  # noqa: E402
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import one_shot  # noqa: E402
 
@@ -42,6 +44,7 @@ def combine(payloads: list[dict[str, Any]], drop: Collection[str] = ()) -> dict[
     without the records of the methods in ``drop``."""
     records: dict[tuple[Any, ...], dict[str, Any]] = {}
     settings: dict[tuple[Any, ...], dict[str, Any]] = {}
+    diagnostics: dict[tuple[Any, ...], dict[str, Any]] = {}
     grids: dict[str, Any] = {}
     commands, methods = [], []
     for p in payloads:
@@ -61,10 +64,14 @@ def combine(payloads: list[dict[str, Any]], drop: Collection[str] = ()) -> dict[
                 settings[key]["test_seconds"] += s["test_seconds"]
             else:
                 settings[key] = dict(s)
+        for d in p.get("diagnostics", []):  # fields of the same cell from several files are merged
+            key = (d["dataset"], d["alpha"], d["init"], d["epochs"], d["seed"])
+            diagnostics[key] = {**diagnostics.get(key, {}), **d}
     sums = list(settings.values())
     wall = sum(p["timing"]["wall_seconds"] for p in payloads)
     ordered = sorted(records.values(), key=lambda r: (r["epochs"], r["alpha"], r["init"] != "shared", r["seed"]))
     equal_terms = next((p["equal_terms"] for p in reversed(payloads) if p.get("equal_terms")), None)
+    select = any(p.get("select_epochs") for p in payloads)
     return {
         "command": " ; ".join(commands)
                    + (f" (combined without the records of {', '.join(sorted(drop))})" if drop else ""),
@@ -73,8 +80,11 @@ def combine(payloads: list[dict[str, Any]], drop: Collection[str] = ()) -> dict[
         "methods": [m for m in ROW_ORDER if m in methods] + [m for m in methods if m not in ROW_ORDER],
         "grid": payloads[-1].get("grid"),
         "grids": grids,
+        "select_epochs": select,
+        **({"epoch_selection": E.selection_payload(ordered)} if select else {}),
         "settings": sums,
         "records": ordered,
+        "diagnostics": list(diagnostics.values()),
         "skipped": sum((p.get("skipped", []) for p in payloads), []),
         "timing": {
             "wall_seconds": wall,
@@ -110,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (args.out / f"{args.name}.md").write_text(one_shot.markdown(payload, methods))
     if not args.no_plots:
         one_shot.plot(payload, methods, args.out, args.name)
+        E.plot_selection(payload, args.out, args.name)
     return payload
 
 

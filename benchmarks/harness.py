@@ -226,6 +226,61 @@ def fisher_loader(split: FederatedSplit, partition_id: int) -> DataLoader:
     return DataLoader(split.client_eval(partition_id), batch_size=1000)
 
 
+def client_start(cfg: AppConfig, split: FederatedSplit, partition_id: int,
+                 start: Mapping[str, np.ndarray] | None) -> torch.nn.Module:
+    """The model client ``partition_id`` starts its round from (what :func:`train_client` trains).
+
+    Parameters
+    ----------
+    cfg : AppConfig
+        Model and seeds.
+    split : FederatedSplit
+        ``cfg.split()``.
+    partition_id : int
+        The client.
+    start : dict, optional
+        The broadcast model; None starts from the client's own initialisation, seeded by
+        :meth:`AppConfig.client_init_seed`.
+
+    Returns
+    -------
+    torch.nn.Module
+    """
+    if start is None:
+        return cfg.build_model(split, seed=cfg.client_init_seed(partition_id))
+    return load_numpy(cfg.build_model(split), start)
+
+
+def shared_init(setting: Setting, split: FederatedSplit) -> Model | None:
+    """The broadcast initialisation of ``setting`` (seeded by its ``seed``); None for independent init."""
+    return state_numpy(setting.app_config().build_model(split)) if setting.init == "shared" else None
+
+
+def initial_weights(setting: Setting, split: FederatedSplit) -> list[Model]:
+    """Every client's weights before its round-1 training, recomputed from the setting's seeds.
+
+    Shared init: the broadcast model for every client; independent init: each client's own
+    initialisation. The cache holds only trained weights; these are rebuilt with the same
+    functions the training used (:func:`shared_init`, :func:`client_start`), so they are the
+    exact starting points.
+
+    Parameters
+    ----------
+    setting : Setting
+        The cell.
+    split : FederatedSplit
+        ``setting.app_config().split()``.
+
+    Returns
+    -------
+    list[dict[str, np.ndarray]]
+        One state dict per client, in client order.
+    """
+    cfg = setting.app_config()
+    broadcast = shared_init(setting, split)
+    return [state_numpy(client_start(cfg, split, pid, broadcast)) for pid in range(setting.clients)]
+
+
 def train_client(
     cfg: AppConfig,
     split: FederatedSplit,
@@ -261,10 +316,7 @@ def train_client(
     ClientRound
     """
     device = device or default_device()
-    if start is None:
-        model = cfg.build_model(split, seed=cfg.client_init_seed(partition_id))
-    else:
-        model = load_numpy(cfg.build_model(split), start)
+    model = client_start(cfg, split, partition_id, start)
     seed = client_seed(cfg.seed, server_round, partition_id)
     gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(split.clients[partition_id], batch_size=cfg.batch_size, shuffle=True, generator=gen)
@@ -336,7 +388,7 @@ def one_shot_uploads(
     under ``cache_dir / setting.cache_key() / client<k>.npz``; ``cache_dir=None`` disables it.
     """
     cfg = setting.app_config()
-    broadcast = state_numpy(cfg.build_model(split)) if setting.init == "shared" else None
+    broadcast = shared_init(setting, split)
     results: list[ClientRound] = []
     cached = True
     for pid in range(setting.clients):
@@ -1232,9 +1284,9 @@ __all__ = [
     "FEDFISHER_STEPS", "apply_curvature_method", "curvature_knobs", "curvature_replies", "curvature_aggregator",
     "upload_table", "DEFAULT_PRESET", "EXTRA_METHODS", "Evaluator", "GRIDS", "METHOD_LABELS",
     "MethodResult", "ONE_SHOT_METHODS", "RESULTS_DIR", "Setting", "UPLOADS", "UPLOAD_OF", "Uploads",
-    "accuracy_table", "apply_method", "client_seed", "collect", "command_line", "engine_config",
-    "fedfiot_alignment_fraction", "fisher_loader", "flower_fedavg", "fraction_table", "knob_table", "knobs_description",
-    "load_numpy", "machine_description", "mean_std", "merge_outcome", "method_config", "method_configs",
+    "accuracy_table", "apply_method", "client_seed", "client_start", "collect", "command_line", "engine_config",
+    "fedfiot_alignment_fraction", "fisher_loader", "flower_fedavg", "fraction_table", "initial_weights", "knob_table",
+    "knobs_description", "load_numpy", "machine_description", "mean_std", "merge_outcome", "method_config", "method_configs",
     "model_tools", "one_shot_uploads", "record_fields", "round_context", "set_threads", "setup_logging",
-    "state_numpy", "swept_knobs", "train_client", "upload_of", "write_json",
+    "shared_init", "state_numpy", "swept_knobs", "train_client", "upload_of", "write_json",
 ]

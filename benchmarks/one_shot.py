@@ -14,9 +14,27 @@ Quick check on the embedded digits data (seconds):
 
     .venv/bin/python benchmarks/one_shot.py --quick
 
+The paper's protocol, local epochs chosen per method on validation (``--select-epochs``; the
+uploads of each E are trained once and cached, so E = 25, 50 and 100 cost one training each):
+
+    .venv/bin/python benchmarks/one_shot.py --datasets fashion-mnist --alphas 0.1 \
+        --inits shared independent --seeds 0 --epochs 25 50 100 --select-epochs \
+        --methods fedavg fisher-merge otfusion regmean fedfisher-diag fedfiot fedfiot-default \
+        best-single-client ensemble --name select_epochs
+
+Per method and per (data set, alpha, init, seed), the E whose chosen model validates best is
+kept (ties: the smaller E) and only its test accuracy enters the table, which names the E
+(``81.2 (E=50)``); see :mod:`benchmarks.epoch_selection`. ``fedfisher-diag`` computes the
+true Fisher of every client from its cached weights (``--fisher-kind empirical`` reuses the
+uploads' Fisher instead).
+
 Outputs (``--out``, default ``benchmarks/results``): ``<name>.md`` (tables, command, machine,
-timing), ``<name>.json`` (one record per data set, alpha, init, epochs, seed and method),
-``<name>.png`` and, with several epoch counts, ``<name>_epochs.png``.
+timing), ``<name>.json`` (one record per data set, alpha, init, epochs, seed and method under
+``records``; per cell, E and seed, ``diagnostics``: FedFiOT's permuted fractions and kept merge,
+the per-layer cosine between trained and initial weights; with ``--select-epochs``,
+``epoch_selection``: the rule and one choice per method, cell and seed), ``<name>.png``, with
+several epoch counts ``<name>_epochs.png``, and with ``--select-epochs``
+``<name>_select_epochs.png`` (test accuracy against E).
 """
 
 from __future__ import annotations
@@ -34,6 +52,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import epoch_selection as E  # noqa: E402
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import server_methods as S  # noqa: E402
 
@@ -55,6 +74,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--epochs", nargs="+", type=int, default=None,
                    help=f"local epochs (a sweep axis; uploads are cached per count). Default per data set: {DEFAULT_EPOCHS}")
+    p.add_argument("--select-epochs", action="store_true",
+                   help="also choose the local epochs per method on validation (per data set, alpha, init and seed; "
+                        "ties: the smaller E) and report the chosen model's test accuracy")
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--partition-seed", type=int, default=0)
     p.add_argument("--validation-size", type=int, default=None,
@@ -196,7 +218,8 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, state: dict[str, A
             merge_total += float(rec.get("sweep_seconds", 0.0))
             records.append({**base, "fraction_permuted": 0.0, "alignment_fraction_permuted": 0.0, **rec})
     summary.update(merge_sweep_seconds=merge_total, test_seconds=test_total)
-    return {"summary": summary, "records": records}
+    diagnostics = E.cell_diagnostics(base, records, uploads.float32.weights, H.initial_weights(setting, split), buffers)
+    return {"summary": summary, "records": records, "diagnostics": diagnostics}
 
 
 def table_methods(methods: Sequence[str]) -> list[str]:
@@ -249,6 +272,7 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
         "",
         H.accuracy_table(recs, methods),
         "",
+        *E.selection_section(payload, methods),
         "## FedFiOT against the published baselines",
         "",
         baseline_margins(payload, methods),
@@ -263,6 +287,7 @@ def markdown(payload: dict[str, Any], methods: Sequence[str]) -> str:
         "",
         H.fraction_table(recs),
         "",
+        *E.diagnostics_section(payload),
         "## Knobs chosen on validation",
         "",
         H.knob_table(recs, methods),
@@ -439,7 +464,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "grids": {name: H.knobs_description(config, H.upload_of(name))
                   for name, config in H.method_configs(merge_methods(args.methods), "shared", args.grid,
                                                        not args.no_broadcast_reference).items()},
-        "settings": [], "records": [], "skipped": [],
+        "select_epochs": bool(args.select_epochs),
+        "settings": [], "records": [], "diagnostics": [], "skipped": [],
     }
     for m in args.methods:
         if m in H.CURVATURE_METHODS:
@@ -459,6 +485,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 break
             payload["settings"].append(result["summary"])
             payload["records"].extend(result["records"])
+            payload["diagnostics"].append(result["diagnostics"])
             finish(payload, args, start, final=False)
     finish(payload, args, start, final=True)
     log(f"done in {(time.perf_counter() - start) / 60:.1f} min; wrote {args.out / (args.name + '.md')}")
@@ -477,11 +504,15 @@ def finish(payload: dict[str, Any], args: argparse.Namespace, start: float, fina
         "cached_settings": sum(bool(s["cached"]) for s in sums),
         "complete": final,
     }
+    if args.select_epochs:
+        payload["epoch_selection"] = E.selection_payload(payload["records"])
     H.write_json(args.out / f"{args.name}.json", payload)
     if payload["records"]:
         (args.out / f"{args.name}.md").write_text(markdown(payload, table_methods(args.methods)))
         if final and not args.no_plots:
             plot(payload, table_methods(args.methods), args.out, args.name)
+            if args.select_epochs:
+                E.plot_selection(payload, args.out, args.name)
 
 
 if __name__ == "__main__":

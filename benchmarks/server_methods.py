@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -62,29 +62,41 @@ def selection_evaluator(split: FederatedSplit, build: Callable[[], torch.nn.Modu
     return H.Evaluator(replace(split, validation=fold_subsets(split.validation)[1]), build, device)
 
 
-def _test_logits(model: torch.nn.Module, ev: H.Evaluator) -> tuple[torch.Tensor, torch.Tensor]:
+def _logits(model: torch.nn.Module, batches: Iterable[Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, labels)`` of ``model`` on every batch of ``batches``, on the CPU."""
     outs, ys = [], []
     model.eval()
     with torch.no_grad():
-        for x, y in ev._test_batches():
-            outs.append(model(x.to(ev.device)).cpu())
+        for x, y in batches:
+            outs.append(model(x.to(device)).cpu())
             ys.append(y.cpu())
     return torch.cat(outs), torch.cat(ys)
 
 
+def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    return float((logits.argmax(1) == labels).float().mean())
+
+
 def floors_and_ceilings(uploads: H.Uploads, build: Callable[[], torch.nn.Module], ev: H.Evaluator,
                         methods: Sequence[str]) -> list[dict[str, Any]]:
-    """Records of ``best-single-client``, ``mean-client`` and ``ensemble`` (whichever are asked for)."""
+    """Records of ``best-single-client``, ``mean-client`` and ``ensemble`` (whichever are asked for).
+
+    Every row has a validation accuracy (the ensemble's from its averaged logits on the
+    validation set), so that a choice among runs (e.g. of the local epochs) can use it.
+    """
     q = uploads.quantized
     t0 = time.perf_counter()
     val = [ev.validate(w)["accuracy"] for w in q.weights]
-    logits, tests, y = None, [], None
+    logits = val_logits = y = val_y = None
+    tests = []
     for w in q.weights:
         model = H.load_numpy(build(), w).to(ev.device)
-        lg, y = _test_logits(model, ev)
-        tests.append(float((lg.argmax(1) == y).float().mean()))
+        lg, y = _logits(model, ev._test_batches(), ev.device)
+        vlg, val_y = _logits(model, ev.validation, ev.device)
+        tests.append(_accuracy(lg, y))
         logits = lg if logits is None else logits + lg
-    assert logits is not None and y is not None
+        val_logits = vlg if val_logits is None else val_logits + vlg
+    assert logits is not None and y is not None and val_logits is not None and val_y is not None
     seconds = time.perf_counter() - t0
     best = best_index(val)
     out = []
@@ -95,8 +107,8 @@ def floors_and_ceilings(uploads: H.Uploads, build: Callable[[], torch.nn.Module]
         out.append({"method": "mean-client", "test_accuracy": float(np.mean(tests)),
                     "validation_accuracy": float(np.mean(val)), "knobs": {}, "sweep_seconds": 0.0})
     if "ensemble" in methods:
-        out.append({"method": "ensemble", "test_accuracy": float((logits.argmax(1) == y).float().mean()),
-                    "validation_accuracy": math.nan, "knobs": {}, "sweep_seconds": 0.0})
+        out.append({"method": "ensemble", "test_accuracy": _accuracy(logits, y),
+                    "validation_accuracy": _accuracy(val_logits, val_y), "knobs": {}, "sweep_seconds": 0.0})
     return out
 
 
