@@ -7,17 +7,20 @@ in the same order (the order's seed depends on the run seed, the round and the c
 and answered as each strategy expects: Flower's float32 ``ArrayRecord`` for ``FedAvg``,
 :func:`fedfiot_flwr.fisher_reply` for FedFiOT (which skips the Fisher pass when the round's
 train config says the server will not use it). Partial participation samples clients with
-Flower's own sampling, seeded identically for every method. No server data: FedFiOT runs as a
-user who swaps it into a Flower app without a ``validate_fn`` gets it.
+Flower's own sampling, seeded identically for every method. No server data (except for
+``fedfiot-server-data``): FedFiOT runs as a user who swaps it into a Flower app without a
+``validate_fn`` gets it.
 
 Methods (``--methods``): ``fedavg`` (Flower's ``FedAvg``), ``fedfiot`` (``FedFiOTConfig.default()``
 as shipped) and ``fedfiot-every-round`` (the default with the Fisher-weighted merge in every
 round, ``fisher_rounds=None``: what the default did before it learned to hand over to the
-size-weighted average) and ``fedfiot-r<N>`` (the default with ``fisher_rounds=N``).
+size-weighted average), ``fedfiot-r<N>`` (the default with ``fisher_rounds=N``) and
+``fedfiot-server-data`` (the default given half of the server's held-out examples as
+``server_data``: it chooses each round's merge on them, FedAvg of the same uploads included).
 
 Per round and method: test accuracy and loss (the data set's test set), validation accuracy and
-loss (the split's held-out server fold, never used by any method: it is where a default would be
-chosen), the fraction of neurons the alignment moved, the bytes received, the client seconds
+loss (the other half of the split's held-out server examples, never used by any method: it is
+where a default is chosen), the fraction of neurons the alignment moved, the bytes received, the client seconds
 (training; the reply: Fisher pass and packing; mean per client) and the server seconds
 (``aggregate_train``).
 
@@ -60,7 +63,7 @@ from fedfiot_flwr.data import federated_split, load_dataset  # noqa: E402
 from fedfiot_flwr.models import build_model  # noqa: E402
 from fedfiot_flwr.task import train as local_train  # noqa: E402
 
-METHODS = ("fedavg", "fedfiot", "fedfiot-every-round")
+METHODS = ("fedavg", "fedfiot", "fedfiot-every-round", "fedfiot-server-data")
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ class Federation:
 
     clients: list[Subset]
     validation: Subset
+    server_data: Subset
     test: Any
     input_shape: tuple[int, ...]
     num_classes: int
@@ -128,8 +132,11 @@ def build_federation(setting: RoundsSetting) -> Federation:
     else:
         parts = [rng.permutation(idx) for idx in split.client_indices]
     keep = [p[: max(1, round(len(p) * setting.train_fraction))] for p in parts]
-    return Federation([Subset(bundle.train, idx.tolist()) for idx in keep], split.validation, bundle.test,
-                      tuple(bundle.input_shape), int(bundle.num_classes))
+    held_out = split.validation_indices
+    half = len(held_out) // 2  # the server's own labelled examples and the fold that reports, apart
+    return Federation([Subset(bundle.train, idx.tolist()) for idx in keep],
+                      Subset(bundle.train_eval, held_out[half:].tolist()), Subset(bundle.train_eval, held_out[:half].tolist()),
+                      bundle.test, tuple(bundle.input_shape), int(bundle.num_classes))
 
 
 class InProcessGrid(Grid):
@@ -215,14 +222,20 @@ def client_node(setting: RoundsSetting, fed: Federation, pid: int, method: str,
     return answer
 
 
-def make_strategy(method: str, model: torch.nn.Module, fraction_train: float) -> FedAvg:
-    """The server strategy of ``method``, sampling ``fraction_train`` of the clients, no server evaluation."""
+def make_strategy(method: str, model: torch.nn.Module, fraction_train: float, server_data: Any) -> FedAvg:
+    """The server strategy of ``method``, sampling ``fraction_train`` of the clients, no server evaluation.
+
+    ``server_data`` (labelled examples) is given to ``fedfiot-server-data`` only: the default then
+    chooses its merge (aligned, identity or FedAvg of the same uploads) on them every round.
+    """
     common = {"fraction_train": fraction_train, "fraction_evaluate": 0.0, "min_train_nodes": 2,
               "min_available_nodes": 2}
     if method == "fedavg":
         return FedAvg(**common)
     if method == "fedfiot":
         return FedFiOT(model=model, **common)
+    if method == "fedfiot-server-data":
+        return FedFiOT(model=model, server_data=server_data, **common)
     if method == "fedfiot-every-round":
         return FedFiOT(model=model, config=FedFiOTConfig.default(fisher_rounds=None), **common)
     if method.startswith("fedfiot-r") and method[len("fedfiot-r"):].isdigit():
@@ -294,7 +307,7 @@ def run_method(setting: RoundsSetting, fed: Federation, method: str) -> list[dic
     model = build_model(setting.model, fed.input_shape, fed.num_classes, seed=setting.seed)
     times = ClientTimes({}, {}, {})
     grid = InProcessGrid({pid + 1: client_node(setting, fed, pid, method, times) for pid in range(setting.clients)})
-    strategy = make_strategy(method, model, setting.fraction_train)
+    strategy = make_strategy(method, model, setting.fraction_train, fed.server_data)
     server_s: dict[int, float] = {}
     aggregate = strategy.aggregate_train
 
