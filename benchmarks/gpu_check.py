@@ -53,7 +53,15 @@ from benchmarks.merge_scale import cnn_clients, vgg_uploads, wide_layer_uploads 
 from benchmarks.portable import REPO_ROOT, command_line  # noqa: E402
 from fedfiot_flwr.data.loaders import read_idx  # noqa: E402
 from fedfiot_flwr.fisher import diagonal_fisher  # noqa: E402
-from fedfiot_flwr.merge import MergeSpeed, PermutationSpec, cnn_spec, merge, spec_from_module  # noqa: E402
+from fedfiot_flwr.merge import (  # noqa: E402
+    MergeOptions,
+    MergeSpeed,
+    PermutationSpec,
+    cnn_spec,
+    merge,
+    prepare_clients,
+    spec_from_module,
+)
 from fedfiot_flwr.models import build_model, permutation_spec  # noqa: E402
 from fedfiot_flwr.refine import RefineOptions  # noqa: E402
 from fedfiot_flwr.refine.stage import RefinementStage  # noqa: E402
@@ -234,7 +242,8 @@ def client_section(args: argparse.Namespace, device: torch.device, report: Repor
 
 
 def resnet18_uploads(k: int) -> tuple[list[Model], list[Model], PermutationSpec, dict[str, Any]]:
-    """``k`` independently initialised torchvision ResNet-18s with squared-normal Fishers."""
+    """``k`` independently initialised torchvision ResNet-18s with squared-normal Fishers, and their
+    sizes and buffers (:func:`~fedfiot_flwr.merge.prepare_clients`'s keywords)."""
     import torchvision
 
     rng = np.random.default_rng(0)
@@ -247,18 +256,18 @@ def resnet18_uploads(k: int) -> tuple[list[Model], list[Model], PermutationSpec,
     fishers = [{n: (rng.standard_normal(v.shape) ** 2).astype(np.float32) for n, v in m.items() if n in params}
                for m in models]
     spec = spec_from_module(net, example_input=torch.randn(2, 3, 32, 32))
-    opts = {"num_examples": [int(s) for s in rng.integers(500, 5000, k)], "buffers": [n for n in models[0] if n not in params]}
-    return models, fishers, spec, opts
+    data = {"num_examples": [int(s) for s in rng.integers(500, 5000, k)], "buffers": [n for n in models[0] if n not in params]}
+    return models, fishers, spec, data
 
 
 def vgg_model_uploads(k: int) -> tuple[list[Model], list[Model], PermutationSpec, dict[str, Any]]:
-    """``merge_scale.py``'s ``k`` float16 vgg11_bn uploads, with their buffers as merge options."""
+    """``merge_scale.py``'s ``k`` float16 vgg11_bn uploads, with their buffers (for :func:`prepare_clients`)."""
     models, fishers, spec, buffers = vgg_uploads(k)
     return models, fishers, spec, {"buffers": buffers}
 
 
 def merge_cases(quick: bool, wide_m: int) -> list[tuple[str, Callable[[], tuple], dict[str, Any], MergeSpeed, int]]:
-    """``(name, uploads, merge options, numpy speed, torch stack bytes)`` of each case."""
+    """``(name, uploads, MergeOptions fields, numpy speed, torch stack bytes)`` of each case."""
     k = 3 if quick else 6
     exact, f32 = MergeSpeed(), MergeSpeed(cost_dtype="float32", lap_solver="auto", stack_bytes=2**30)
 
@@ -268,12 +277,12 @@ def merge_cases(quick: bool, wide_m: int) -> list[tuple[str, Callable[[], tuple]
 
     def wide() -> tuple:
         spec, models, fishers = wide_layer_uploads(wide_m, 64 if quick else 1024, k)
-        return models, fishers, spec, {"fallback": "none"}
+        return models, fishers, spec, {}
 
+    certified = MergeSpeed(cost_dtype="float32", lap_solver="auto", certify=True)
     cases = [("paper CNN", cnn, {"max_iters": 2 if quick else 8}, exact, 2**31),
              ("ResNet-18", lambda: resnet18_uploads(k), {"max_iters": 1 if quick else 8}, exact, 2**31),
-             ("wide layer", wide, {"max_iters": 8}, MergeSpeed(cost_dtype="float32", lap_solver="auto", certify=True),
-              2**31)]
+             ("wide layer", wide, {"max_iters": 8, "fallback": "none"}, certified, 2**31)]
     if not quick:
         cases.append(("vgg11_bn", lambda: vgg_model_uploads(k), {"max_iters": 1}, f32, 2**34))
     return cases
@@ -288,25 +297,32 @@ def compare_merges(a: Any, b: Any) -> tuple[bool, float]:
     return same, diff
 
 
+def one_off_merge(models: list[Model], fishers: list[Model], spec: PermutationSpec, data: dict[str, Any],
+                  options: MergeOptions, speed: MergeSpeed) -> Any:
+    """One merge as a one-off caller runs it: the uploads checked (with ``data``'s sizes and buffers,
+    their Fishers tempered when read), then merged."""
+    return merge(prepare_clients(models, fishers, cache_bytes=0, **data), None, spec, options, speed=speed)
+
+
 def merge_section(args: argparse.Namespace, device: torch.device, report: Report) -> None:
     warm_models, warm_fishers = cnn_clients(2)  # CUDA context and cuBLAS, outside any timing
     merge(warm_models, warm_fishers, cnn_spec(["conv1", "conv2"], ["fc1", "fc2", "fc3"], flatten_block=25),
-          reference=0, max_iters=1, speed=MergeSpeed(backend="torch", device=str(device)))
+          MergeOptions(reference=0, max_iters=1), speed=MergeSpeed(backend="torch", device=str(device)))
     for name, uploads, opts, speed, stack in merge_cases(args.quick, args.wide_m):
         if report.time_left() < (150 if name == "vgg11_bn" else 40):
             report.skip(f"merge {name}", "deadline")
             continue
-        models, fishers, spec, extra = uploads()
-        kw = {"reference": 0, **opts, **extra}
-        cpu_s, on_cpu = timed(lambda: merge(models, fishers, spec, speed=speed, **kw), torch.device("cpu"))
+        models, fishers, spec, data = uploads()
+        options = MergeOptions(reference=0, **opts)
+        cpu_s, on_cpu = timed(lambda: one_off_merge(models, fishers, spec, data, options, speed), torch.device("cpu"))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         on_gpu_speed = replace(speed, backend="torch", device=str(device), stack_bytes=stack)
-        gpu_s, on_gpu = timed(lambda: merge(models, fishers, spec, speed=on_gpu_speed, **kw), device)
+        gpu_s, on_gpu = timed(lambda: one_off_merge(models, fishers, spec, data, options, on_gpu_speed), device)
         same, diff = compare_merges(on_cpu, on_gpu)
         report.add("merge", {
             "case": name, "clients": len(models), "parameters": int(sum(np.size(v) for v in fishers[0].values())),
-            "max_iters": kw["max_iters"], "cost_dtype": speed.cost_dtype, "lap_solver": speed.lap_solver,
+            "max_iters": options.max_iters, "cost_dtype": speed.cost_dtype, "lap_solver": speed.lap_solver,
             "certify": speed.certify, "numpy_s": cpu_s, "torch_s": gpu_s, "device": str(device),
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "same_permutations": same, "max_abs_diff": diff,
@@ -319,10 +335,10 @@ def profile_vgg_section(device: torch.device, report: Report) -> None:
     if report.time_left() < 120:
         report.skip("vgg11_bn profile", "deadline")
         return
-    models, fishers, spec, extra = vgg_model_uploads(6)
+    models, fishers, spec, data = vgg_model_uploads(6)
     speed = MergeSpeed(cost_dtype="float32", lap_solver="auto", backend="torch", device=str(device), stack_bytes=2**34)
     seconds, _ = report.profiled(f"vgg11_bn merge, torch on {device}", lambda: timed(
-        lambda: merge(models, fishers, spec, speed=speed, reference=0, max_iters=1, **extra), device))
+        lambda: one_off_merge(models, fishers, spec, data, MergeOptions(reference=0, max_iters=1), speed), device))
     report.payload["vgg_profile_s"] = seconds
     report.write()
 

@@ -38,7 +38,7 @@ from fedfiot_flwr.app_config import AppConfig
 from fedfiot_flwr.app_config import client_round_seed as client_seed
 from fedfiot_flwr.client import ClientRound, train_round
 from fedfiot_flwr.data import FederatedSplit
-from fedfiot_flwr.merge import METHODS, PermutationSpec, merge
+from fedfiot_flwr.merge import METHODS, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.models import permutation_spec
 from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_RHOS, DEFAULT_LAM, DEFAULT_RHO, INITS, Model
 from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
@@ -765,7 +765,9 @@ def apply_method(
 
 def fedfiot_alignment_fraction(uploads: CollectedUploads, spec: PermutationSpec, buffers: Sequence[str]) -> float:
     """Mean fraction of hidden neurons FedFiOT's alignment (default knobs) moves on ``uploads``: a misalignment gauge."""
-    res = merge(uploads.weights, uploads.fishers, spec, num_examples=uploads.num_examples, buffers=buffers)
+    clients = prepare_clients(uploads.weights, uploads.fishers, buffers=buffers, num_examples=uploads.num_examples,
+                              cache_bytes=0)
+    res = merge(clients, None, spec)
     return float(np.mean(res.fraction_permuted))
 
 

@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.baseline_code import DEFAULT_BASELINE_REV, load_baseline  # noqa: E402
 from benchmarks.merge_speed import cpu_timed  # noqa: E402
 from benchmarks.portable import command_line  # noqa: E402
-from fedfiot_flwr.merge import MergeSpeed, PermutationSpec, cnn_spec, merge  # noqa: E402
+from fedfiot_flwr.merge import MergeOptions, MergeSpeed, PermutationSpec, cnn_spec, merge  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "merge_scale.md"
 CNN_SHAPES = {"conv1.weight": (32, 3, 5, 5), "conv1.bias": (32,), "conv2.weight": (64, 32, 5, 5), "conv2.bias": (64,),
@@ -86,17 +86,18 @@ def clients_section(ks: list[int], baseline_max_k: int, base_merge: Any, repeats
     for k in ks:
         models, fishers = cnn_clients(k)
         up = upload_bytes(models, fishers)
-        opts = {"max_iters": 8, "reference": 0}
+        opts = {"max_iters": 8, "reference": 0}  # the baseline engine takes them as keywords
+        options = MergeOptions(**opts)
         run_base = k <= baseline_max_k
-        fns = {"new": lambda: merge(models, fishers, spec, **opts),
-               "f32": lambda: merge(models, fishers, spec, speed=MergeSpeed(cost_dtype="float32"), **opts)}
+        fns = {"new": lambda: merge(models, fishers, spec, options),
+               "f32": lambda: merge(models, fishers, spec, options, speed=MergeSpeed(cost_dtype="float32"))}
         if run_base:
             fns["old"] = lambda: base_merge(models, fishers, spec, **opts)
         runs = best_of(repeats, fns)
         (t_new, res), (t_f32, res32) = runs["new"], runs["f32"]
         t_old = runs["old"][0] if run_base else float("nan")
         m_old = peak_extra(lambda: base_merge(models, fishers, spec, **opts)) if run_base else float("nan")
-        m_new = peak_extra(lambda: merge(models, fishers, spec, **opts))
+        m_new = peak_extra(lambda: merge(models, fishers, spec, options))
         same = all(np.array_equal(res.model[n], res32.model[n]) for n in res.model)
         rows.append({"K": k, "uploads MB": up / 1e6, "old s": t_old, "new s": t_new, "f32 s": t_f32,
                      "old mem": m_old / up, "new mem": m_new / up, "f32 same": same,
@@ -151,7 +152,7 @@ def wide_layer_uploads(m: int, d: int, k: int, seed: int = 1) -> tuple[Permutati
 def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool, names: list[str] | None = None,
                  repeats: int = 1) -> list[str]:
     spec, models, fishers = wide_layer_uploads(m, d, k)
-    opts = {"max_iters": 8, "reference": 0, "fallback": "none"}
+    opts = {"max_iters": 8, "reference": 0, "fallback": "none"}  # the baseline engine takes them as keywords
     names = ["exact", *[n for n in (names or list(WIDE_VARIANTS)) if n != "exact"]]
     variants = [WIDE_VARIANTS[n] for n in names]
     rows = []
@@ -162,7 +163,7 @@ def wide_section(m: int, d: int, k: int, base_merge: Any, run_baseline: bool, na
     best: dict[str, tuple[float, Any]] = {}
     for _ in range(repeats):  # interleaved; the minimum is kept
         for label, extra in variants:
-            t, res = cpu_timed(lambda: merge(models, fishers, spec, speed=MergeSpeed(**extra), **opts))
+            t, res = cpu_timed(lambda: merge(models, fishers, spec, MergeOptions(**opts), speed=MergeSpeed(**extra)))
             best[label] = min(best.get(label, (t, res)), (t, res), key=lambda x: x[0])
             print(label, t, res.objective, flush=True)
     rows += [(label, *best[label]) for label, _ in variants]
@@ -217,7 +218,7 @@ def vgg_uploads(k: int) -> tuple[list[dict], list[dict], PermutationSpec, list[s
 
 VGG_CHILD = r"""
 import json, os, sys, threading, time
-from fedfiot_flwr.merge import MergeSpeed, merge
+from fedfiot_flwr.merge import MergeOptions, MergeSpeed, merge, prepare_clients
 from benchmarks.merge_scale import vgg_uploads
 k, iters = int(sys.argv[1]), int(sys.argv[2])
 page = os.sysconf("SC_PAGE_SIZE")
@@ -237,7 +238,8 @@ stop = threading.Event()
 watcher = threading.Thread(target=sample, args=(stop,), daemon=True)
 watcher.start()
 t0, c0 = time.perf_counter(), time.process_time()
-res = merge(models, fishers, spec, reference=0, max_iters=iters, buffers=buffers,
+res = merge(prepare_clients(models, fishers, buffers=buffers, cache_bytes=0), None, spec,
+            MergeOptions(reference=0, max_iters=iters),
             speed=MergeSpeed(cost_dtype="float32", lap_solver="auto", stack_bytes=2**30))
 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
 stop.set(); watcher.join()

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fedfiot_flwr.merge import MergeSpeed, assign, cnn_spec, fisher_cost_matrix, merge
+from fedfiot_flwr.merge import MergeOptions, MergeSpeed, assign, cnn_spec, fisher_cost_matrix, merge
 from fedfiot_flwr.merge.costs import fisher_cost_matrices
 from fedfiot_flwr.merge.lap import lapjv_available
 
@@ -88,12 +88,12 @@ def paper_cnn(repeats: int) -> list[str]:
                   for _ in range(6)]
         fishers = [{n: (rng.exponential(size=v.shape) ** 2).astype(np.float32) for n, v in base.items()}
                    for _ in range(6)]
+        options = MergeOptions(max_iters=8, reference=0)
         times: dict[str, list[float]] = {"exact": [], "certify": [], "fast": []}
         results = {}
         for _ in range(repeats):  # interleaved; process CPU time, minimum of the repeats
             for label, opts in (("exact", {}), ("certify", {"certify": True}), ("fast", fast)):
-                t, results[label] = cpu_timed(lambda: merge(models, fishers, spec, max_iters=8, reference=0,
-                                                             speed=MergeSpeed(**opts)))
+                t, results[label] = cpu_timed(lambda: merge(models, fishers, spec, options, speed=MergeSpeed(**opts)))
                 times[label].append(t)
         t_avg = min(cpu_timed(lambda: {n: np.mean([m[n] for m in models], axis=0) for n in shapes})[0]
                     for _ in range(repeats))

@@ -46,7 +46,7 @@ from benchmarks import harness as H  # noqa: E402
 from benchmarks import server_methods as S  # noqa: E402
 from fedfiot_flwr.batchnorm import recompute_batchnorm_statistics  # noqa: E402
 from fedfiot_flwr.client import train_round  # noqa: E402
-from fedfiot_flwr.merge import merge, spec_from_module  # noqa: E402
+from fedfiot_flwr.merge import MergeOptions, merge, prepare_clients, spec_from_module  # noqa: E402
 from fedfiot_flwr.task import default_device  # noqa: E402
 
 METHODS = ("fedavg", "fisher-merge", "regmean", "fedfiot", "fedfiot-default", "fedfiot-refined", "best-single-client")
@@ -253,8 +253,9 @@ def merge_time(args: argparse.Namespace) -> dict[str, Any]:
                    for m in models]
         buffers = [n for n in models[0] if n not in params]
         sizes = list(rng.integers(500, 5000, args.clients))
-        fedavg = merge(models, fishers, spec, num_examples=sizes, buffers=buffers, matching="none", aggregation="size")
-        res = merge(models, fishers, spec, num_examples=sizes, buffers=buffers, max_iters=args.max_iters)
+        clients = prepare_clients(models, fishers, buffers=buffers, num_examples=sizes, cache_bytes=0)
+        fedavg = merge(clients, None, spec, MergeOptions(matching="none", aggregation="size"))
+        res = merge(clients, None, spec, MergeOptions(max_iters=args.max_iters))
         rows.append({"init": init, "clients": args.clients, "parameters": int(sum(np.size(models[0][n]) for n in params)),
                      "permutations": len(spec.perm_names), "neurons": int(sum(r.size for r in res.reports.values())),
                      "merge_seconds": res.seconds, "spec_seconds": spec_seconds, "fedavg_seconds": fedavg.seconds,

@@ -31,7 +31,7 @@ import numpy as np
 
 from benchmarks import portable
 from benchmarks.merge_scale import wide_layer_uploads
-from fedfiot_flwr.merge import MergeSpeed, merge
+from fedfiot_flwr.merge import MergeOptions, MergeSpeed, merge
 from fedfiot_flwr.merge.parallel import lap_workers
 
 RESULTS = Path(__file__).parent / "results"
@@ -67,7 +67,7 @@ EXACT = "exact"
 def wide_layer(m: int, d: int, k: int, repeats: int, variants: list[str]) -> list[dict[str, Any]]:
     """Sequential against threaded assignments on one wide layer; one record per variant."""
     spec, models, fishers = wide_layer_uploads(m, d, k)
-    opts = {"max_iters": 8, "reference": 0, "fallback": "none"}
+    options = MergeOptions(max_iters=8, reference=0, fallback="none")
     records = []
     exact_perms: list[np.ndarray] | None = None
     for name in [EXACT, *(v for v in variants if v != EXACT)]:
@@ -78,7 +78,7 @@ def wide_layer(m: int, d: int, k: int, repeats: int, variants: list[str]) -> lis
         load = [_load()]
         for _ in range(repeats):  # interleaved; the minimum is kept
             for mode, count in (("sequential", 1), ("threaded", None)):
-                wall, cpu, results[mode] = timed(lambda: merge(models, fishers, spec, **opts,
+                wall, cpu, results[mode] = timed(lambda: merge(models, fishers, spec, options,
                                                                speed=MergeSpeed(lap_threads=count, **extra)))
                 runs[mode].append((wall, cpu))
                 print(f"m={m} {name} {mode}: {wall:.2f} s wall, {cpu:.2f} s CPU", flush=True)

@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import harness as H  # noqa: E402
 from research import reference_choice, writing_here  # noqa: E402
-from fedfiot_flwr.merge import PermutationSpec, merge, prepare_clients  # noqa: E402
+from fedfiot_flwr.merge import MergeOptions, PermutationSpec, merge, prepare_clients  # noqa: E402
 from fedfiot_flwr.merge.spec import apply_permutations  # noqa: E402
 
 KNOBS = reference_choice.KNOBS
@@ -159,10 +159,10 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
     for rho, lam, scaling in KNOBS[:args.knobs]:
         knob = {"rho": rho, "lam": lam, "fisher_scaling": scaling}
         common = dict(lam=lam, rho=rho, reference=ref, fisher_scaling=scaling, fallback="none")
-        wm = merge(weight_clients, None, spec, **common)
-        am = merge(act_clients, None, spec, matching="none", **common)
-        am_size = merge(act_clients, None, spec, matching="none", aggregation="size", **common)
-        again = merge(act_clients, None, spec, **common)
+        wm = merge(weight_clients, None, spec, MergeOptions(**common))
+        am = merge(act_clients, None, spec, MergeOptions(matching="none", **common))
+        am_size = merge(act_clients, None, spec, MergeOptions(matching="none", aggregation="size", **common))
+        again = merge(act_clients, None, spec, MergeOptions(**common))
         agreement = {p: float(np.mean([np.mean(wm.permutations[p][k] == perms[p][k])
                                        for k in range(k_clients) if k != ref])) for p in perms}
         candidates["weight"].append({**knob, **scored(wm.aligned_model, wm.aligned_objective),

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import harness as H  # noqa: E402
 from research import reference_choice, writing_here  # noqa: E402
-from fedfiot_flwr.merge import MergeResult, PermutationSpec, merge, prepare_clients  # noqa: E402
+from fedfiot_flwr.merge import MergeOptions, MergeResult, PermutationSpec, merge, prepare_clients  # noqa: E402
 from fedfiot_flwr.merge.spec import apply_permutations  # noqa: E402
 
 KNOBS = reference_choice.KNOBS
@@ -64,13 +64,13 @@ class Clients:
         f = [apply_permutations(self.fishers[k], self.spec, o) for k, o in zip(members, order)]
         prepared = prepare_clients(w, f, buffers=self.buffers, num_examples=[self.num_examples[k] for k in members],
                                    checked=True)
-        return merge(prepared, None, self.spec, matching="none", fallback="none", **knobs)
+        return merge(prepared, None, self.spec, MergeOptions(matching="none", fallback="none", **knobs))
 
     def matched_to(self, k: int, target: Model, **knobs: Any) -> dict[str, np.ndarray]:
         """Client ``k``'s permutations that match it to ``target`` under FedFiOT's Fisher-weighted costs."""
         one = prepare_clients([self.weights[k]], [self.fishers[k]], buffers=self.buffers,
                               num_examples=[self.num_examples[k]], checked=True)
-        res = merge(one, None, self.spec, reference=dict(target), fallback="none", **knobs)
+        res = merge(one, None, self.spec, MergeOptions(reference=dict(target), fallback="none", **knobs))
         return {p: res.permutations[p][0] for p in res.permutations}
 
 
@@ -139,7 +139,7 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
     for rho, lam, scaling in KNOBS[:args.knobs]:
         knobs = {"rho": rho, "lam": lam, "fisher_scaling": scaling}
         t0 = time.perf_counter()
-        fedfiot = merge(prepared, None, spec, reference=largest, fallback="none", **knobs).permutations
+        fedfiot = merge(prepared, None, spec, MergeOptions(reference=largest, fallback="none", **knobs)).permutations
         candidates["fedfiot"].append(scored(fedfiot, knobs, seconds=time.perf_counter() - t0))
         for method, start in (("merge-many", identity), ("merge-many-from-fedfiot", fedfiot)):
             t0 = time.perf_counter()

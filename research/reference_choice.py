@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import harness as H  # noqa: E402
 from research import writing_here  # noqa: E402
-from fedfiot_flwr.merge import merge, prepare_clients  # noqa: E402
+from fedfiot_flwr.merge import MergeOptions, merge, prepare_clients  # noqa: E402
 
 KNOBS = ((0.5, 1e-3, "size"), (0.3, 1e-3, "none"), (0.7, 1e-3, "size"))
 """(rho, lam, Fisher scaling) settings, each run from every reference."""
@@ -57,8 +57,8 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[
         for ref in [*range(len(q.weights)), "identity"]:
             t0 = time.perf_counter()
             reference = identity if ref == "identity" else ref
-            res = merge(clients, None, spec, lam=lam, rho=rho, reference=reference, fisher_scaling=scaling,
-                        fallback="none")
+            res = merge(clients, None, spec,
+                        MergeOptions(lam=lam, rho=rho, reference=reference, fisher_scaling=scaling, fallback="none"))
             if identity is None:  # the identity merge (no alignment), what the paper's rule may fall back to
                 identity = res.identity_model
                 rows.append({**base, "rho": rho, "lam": lam, "fisher_scaling": scaling, "reference": "none",

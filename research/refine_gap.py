@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import server_methods as S  # noqa: E402
 from research import RESULTS_DIR  # noqa: E402
-from fedfiot_flwr.merge import merge  # noqa: E402
+from fedfiot_flwr.merge import MergeOptions, merge, prepare_clients  # noqa: E402
 from fedfiot_flwr.refine import ClientModels, Folds, RefineOptions, refine_merged_model  # noqa: E402
 
 
@@ -97,9 +97,10 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Any) -> list[
     t = time.perf_counter()
     cand = outcome.candidate
     bary = outcome.model
+    clients = prepare_clients(q.weights, q.fishers, buffers=buffers, num_examples=q.num_examples)
     for _ in range(args.bary_iters):
-        r2 = merge(q.weights, q.fishers, spec, lam=cand.lam, rho=cand.rho, reference=bary,
-                   num_examples=q.num_examples, buffers=buffers, fallback="none", fisher_scaling=cand.fisher_scaling)
+        r2 = merge(clients, None, spec, MergeOptions(lam=cand.lam, rho=cand.rho, reference=bary, fallback="none",
+                                                     fisher_scaling=cand.fisher_scaling))
         bary, bperms = r2.model, r2.permutations
     add("bary", "merge", bary, sel_ev.validate(bary)["accuracy"], time.perf_counter() - t,
         fraction_permuted=float(np.mean(r2.fraction_permuted)))

@@ -18,13 +18,21 @@ from torch import nn
 
 from fedfiot_flwr import algorithm
 from fedfiot_flwr.algorithm import fedfiot_merge
-from fedfiot_flwr.merge import MergeSpeed, PermutationSpec, apply_permutations, merge, spec_from_module
+from fedfiot_flwr.merge import (
+    MergeOptions,
+    MergeSpeed,
+    PermutationSpec,
+    apply_permutations,
+    merge,
+    prepare_clients,
+    spec_from_module,
+)
 from fedfiot_flwr.merge.costs import ClientLayers
 from fedfiot_flwr.models import ResNet20
 
 # The paper's configuration of the engine, with every speed option at its exact setting.
-PAPER = {"matching": "fisher", "aggregation": "fisher", "fallback": "objective",
-         "speed": MergeSpeed(certify=False, cost_dtype="float64", backend="numpy", lap_solver="scipy", lap_threads=1)}
+PAPER = {"matching": "fisher", "aggregation": "fisher", "fallback": "objective"}
+EXACT = MergeSpeed(certify=False, cost_dtype="float64", backend="numpy", lap_solver="scipy", lap_threads=1)
 NUM_EXAMPLES = [300, 500, 200]
 
 
@@ -91,7 +99,8 @@ def _both(upload: tuple, **options: object) -> tuple:
     if options.get("reference") == "broadcast":
         options["reference"] = broadcast
     ours = fedfiot_merge(models, fishers, spec, num_examples=NUM_EXAMPLES, buffers=buffers, **options)
-    fast = merge(models, fishers, spec, num_examples=NUM_EXAMPLES, buffers=buffers, **PAPER, **options)
+    clients = prepare_clients(models, fishers, buffers=buffers, num_examples=NUM_EXAMPLES)
+    fast = merge(clients, None, spec, MergeOptions(**PAPER, **options), speed=EXACT)
     return ours, fast
 
 
@@ -158,7 +167,7 @@ def test_the_reference_client_is_realigned_and_carries_its_new_order_into_the_ne
     assert all(p.tolist() == [0, 1] for p in first.permutations["P1"])
     ours = fedfiot_merge(models, fishers, spec, max_iters=8, **options)
     assert ours.permutations["P1"][0].tolist() == [1, 0] and ours.aligned
-    _assert_identical(ours, merge(models, fishers, spec, max_iters=8, **PAPER, **options))
+    _assert_identical(ours, merge(models, fishers, spec, MergeOptions(max_iters=8, **PAPER, **options), speed=EXACT))
 
 
 @pytest.mark.parametrize("m, d", [(3, 1), (33, 70), (7, 1000), (2000, 5)])
@@ -202,7 +211,7 @@ def test_identity_rule_drops_an_alignment_that_raises_the_objective() -> None:
     # The identity merge: Fisher-weighted average by index (equal Fishers: the plain average).
     assert ours.model["fc1.weight"].ravel().tolist() == [0.5, 0.5]
     assert ours.model["fc2.weight"].ravel().tolist() == [0.0, 10.0]
-    _assert_identical(ours, merge(models, fishers, spec, **PAPER, **options))
+    _assert_identical(ours, merge(models, fishers, spec, MergeOptions(**PAPER, **options), speed=EXACT))
     # Equal objectives keep the aligned merge (the rule is "strictly higher"): identical clients.
     same = fedfiot_merge([models[0], models[0]], fishers, spec, **options)
     assert same.aligned and same.permutations["P"][1].tolist() == [0, 1]

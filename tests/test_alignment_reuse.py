@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from fedfiot_flwr.merge import MergeSpeed, merge, mlp_spec, prepare_clients
+from fedfiot_flwr.merge import MergeOptions, MergeSpeed, merge, mlp_spec, prepare_clients
 from fedfiot_flwr.merge import certify as certify_module
 from fedfiot_flwr.merge.certify import assign_with_hint, certify_assignment
 
@@ -79,7 +79,8 @@ def test_assign_with_hint_returns_the_solvers_optimum():
 ])
 def test_certified_merge_is_bit_identical_to_the_exact_merge(noise, opts, stack_bytes, monkeypatch):
     models, fishers, _ = _clients(noise=noise)
-    exact = merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(stack_bytes=stack_bytes), **opts)
+    exact = merge(models, fishers, SPEC, MergeOptions(**opts), num_examples=SIZES,
+                  speed=MergeSpeed(stack_bytes=stack_bytes))
     calls = {"solver": 0}
     solve = certify_module.assign
 
@@ -88,8 +89,8 @@ def test_certified_merge_is_bit_identical_to_the_exact_merge(noise, opts, stack_
         return solve(cost, solver, single)
 
     monkeypatch.setattr(certify_module, "assign", counted)
-    fast = merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(certify=True, stack_bytes=stack_bytes),
-                 **opts)
+    fast = merge(models, fishers, SPEC, MergeOptions(**opts), num_examples=SIZES,
+                 speed=MergeSpeed(certify=True, stack_bytes=stack_bytes))
     _assert_bit_identical(exact, fast)
     assignments = sum(r.iterations for r in exact.reports.values()) * len(models)
     assert calls["solver"] < assignments  # the certificate (or the reference's skip) did replace some solves
@@ -107,8 +108,9 @@ def test_sweep_reuses_alignments_and_aligned_merges_bit_identically():
     clients = prepare_clients(models, fishers, num_examples=SIZES)
     for reference in ("largest", base, 0):
         for lam in (1e-3, 1e-4):
-            shared = merge(clients, None, SPEC, lam=lam, reference=reference)
-            fresh = merge(models, fishers, SPEC, lam=lam, reference=reference, num_examples=SIZES)
+            options = MergeOptions(lam=lam, reference=reference)
+            shared = merge(clients, None, SPEC, options)
+            fresh = merge(models, fishers, SPEC, options, num_examples=SIZES)
             _assert_bit_identical(shared, fresh)
             assert shared.aligned and shared.fraction_permuted[1] > 0.3
     assert clients.alignments.hits > 0  # later references continued from an earlier one's iterations

@@ -53,7 +53,7 @@ def test_stacked_cost_matrices_equal_per_client_ones_in_any_grouping():
 def test_float32_costs_do_not_overflow_on_a_float32_max_fisher(stack_bytes: int) -> None:
     from _fedfiot_helpers import SPEC, client_uploads
 
-    from fedfiot_flwr.merge import merge
+    from fedfiot_flwr.merge import MergeOptions, merge
 
     f32_max = float(np.finfo(np.float32).max)
     uploads = client_uploads(4, seed=11)
@@ -62,7 +62,7 @@ def test_float32_costs_do_not_overflow_on_a_float32_max_fisher(stack_bytes: int)
     # rho = 1 leaves the Fisher at float32's maximum, so f * w overflows a float32 GEMM input
     fishers[0] = {n: (f.astype(np.float64) / f.max() * f32_max).astype(np.float32) for n, f in fishers[0].items()}
     sizes = [n for _, _, n in uploads]
-    runs = {dtype: merge(weights, fishers, SPEC, rho=1.0, num_examples=sizes,
+    runs = {dtype: merge(weights, fishers, SPEC, MergeOptions(rho=1.0), num_examples=sizes,
                          speed=MergeSpeed(cost_dtype=dtype, stack_bytes=stack_bytes))
             for dtype in ("float64", "float32")}
     for name, value in runs["float32"].model.items():

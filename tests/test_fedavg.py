@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedfiot_flwr.baselines import size_weighted_average
-from fedfiot_flwr.merge import PermutationSpec, merge, method_options
+from fedfiot_flwr.merge import PermutationSpec, merge, method_options, prepare_clients
 from fedfiot_flwr.server.aggregators import FedAvgAggregator
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.outcome import RoundContext
@@ -42,8 +42,8 @@ def test_integer_buffers_take_the_rounded_size_weighted_mean() -> None:
 def test_the_engine_without_alignment_follows_the_same_integer_rule(counts: tuple[int, ...]) -> None:
     uploads = _uploads(counts=counts)
     fedavg = size_weighted_average(uploads.weights, uploads.num_examples)
-    engine = merge(uploads.weights, uploads.fishers, SPEC, num_examples=uploads.num_examples, buffers=BUFFERS,
-                   **method_options("fedavg")).model
+    clients = prepare_clients(uploads.weights, uploads.fishers, buffers=BUFFERS, num_examples=uploads.num_examples)
+    engine = merge(clients, None, SPEC, method_options("fedavg")).model
     assert int(engine["bn.num_batches_tracked"]) == int(fedavg["bn.num_batches_tracked"])
     for name in fedavg:
         np.testing.assert_allclose(engine[name], fedavg[name], rtol=1e-6)

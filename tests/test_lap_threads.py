@@ -20,7 +20,7 @@ from _fedfiot_helpers import client_uploads, packed, reply
 
 from fedfiot_flwr import FedFiOT, FedFiOTConfig
 from fedfiot_flwr.algorithm import fedfiot_merge
-from fedfiot_flwr.merge import MergeSpeed, merge, mlp_spec, prepare_clients
+from fedfiot_flwr.merge import MergeOptions, MergeSpeed, merge, mlp_spec, prepare_clients
 from fedfiot_flwr.merge import lap as lap_module
 from fedfiot_flwr.merge import parallel
 from fedfiot_flwr.merge.parallel import MIN_PARALLEL_SIZE, lap_workers, solve_in_order
@@ -73,21 +73,23 @@ OPTIONS = [  # (the merge's options, its speed options)
 def test_threaded_assignments_equal_sequential_bit_for_bit(opts: tuple[dict, dict]) -> None:
     options, speed = opts
     models, fishers = _uploads()
-    sequential = merge(models, fishers, SPEC, num_examples=SIZES, speed=MergeSpeed(lap_threads=1, **speed), **options)
+    sequential = merge(models, fishers, SPEC, MergeOptions(**options), num_examples=SIZES,
+                       speed=MergeSpeed(lap_threads=1, **speed))
     assert max(sequential.fraction_permuted) > 0.5  # alignment really permutes
     counts = (None, 3) if speed.get("stack_bytes") == 0 else (None, 2, 3, 16)  # streaming reloads: slower
     for threads in counts:  # None: automatic (threads on the wide layer only)
-        _assert_bit_identical(sequential, merge(models, fishers, SPEC, num_examples=SIZES,
-                                                speed=MergeSpeed(lap_threads=threads, **speed), **options))
+        _assert_bit_identical(sequential, merge(models, fishers, SPEC, MergeOptions(**options), num_examples=SIZES,
+                                                speed=MergeSpeed(lap_threads=threads, **speed)))
 
 
 def test_threads_with_a_reference_model_and_prepared_uploads() -> None:
     models, fishers = _uploads(seed=1)
     broadcast = {n: v * 0.5 for n, v in models[3].items()}
     clients = prepare_clients(models, fishers, num_examples=SIZES)
-    sequential = merge(clients, None, SPEC, reference=broadcast, speed=MergeSpeed(certify=True, lap_threads=1))
-    _assert_bit_identical(sequential, merge(clients, None, SPEC, reference=broadcast,
-                                            speed=MergeSpeed(certify=True, lap_threads=4)))
+    options = MergeOptions(reference=broadcast)
+    sequential = merge(clients, None, SPEC, options, speed=MergeSpeed(certify=True, lap_threads=1))
+    threaded = merge(clients, None, SPEC, options, speed=MergeSpeed(certify=True, lap_threads=4))
+    _assert_bit_identical(sequential, threaded)
 
 
 def test_threaded_engine_equals_the_readable_reference() -> None:

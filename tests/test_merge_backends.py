@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedfiot_flwr.merge import MergeSpeed, cnn_spec, fisher_cost_matrix, merge, prepare_clients
+from fedfiot_flwr.merge import MergeOptions, MergeSpeed, cnn_spec, fisher_cost_matrix, merge, prepare_clients
 from fedfiot_flwr.merge.backend import get_backend
 from fedfiot_flwr.merge.costs import ClientLayers, euclidean_cost_matrix
 from fedfiot_flwr.merge import lap as lap_module
@@ -58,20 +58,22 @@ OPTION_SETS = [
 @pytest.mark.parametrize("opts", OPTION_SETS)
 def test_prepared_and_streamed_merges_are_bit_identical_to_a_plain_merge(opts):
     models, fishers = _clients()
-    plain = merge(models, fishers, SPEC, num_examples=SIZES, **opts)
+    options = MergeOptions(**opts)
+    plain = merge(models, fishers, SPEC, options, num_examples=SIZES)
     assert any(f > 0 for f in plain.fraction_permuted) or opts.get("matching") == "none"
     prepared = prepare_clients(models, fishers, num_examples=SIZES)
-    _assert_same(plain, merge(prepared, None, SPEC, **opts))
-    _assert_same(plain, merge(prepared, None, SPEC, **opts))  # second use: cached tempering / identity merge
-    _assert_same(plain, merge(prepared, None, SPEC, speed=MergeSpeed(stack_bytes=0), **opts))  # clients streamed
+    _assert_same(plain, merge(prepared, None, SPEC, options))
+    _assert_same(plain, merge(prepared, None, SPEC, options))  # second use: cached tempering / identity merge
+    _assert_same(plain, merge(prepared, None, SPEC, options, speed=MergeSpeed(stack_bytes=0)))  # clients streamed
     uncached = prepare_clients(models, fishers, num_examples=SIZES, cache_bytes=0)
-    _assert_same(plain, merge(uncached, None, SPEC, **opts))
+    _assert_same(plain, merge(uncached, None, SPEC, options))
 
 
 def test_float32_costs_match_float64_on_a_small_problem():
     models, fishers = _clients(seed=1)
-    exact = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none")
-    fast = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none", speed=MergeSpeed(cost_dtype="float32"))
+    always = MergeOptions(fallback="none")
+    exact = merge(models, fishers, SPEC, always, num_examples=SIZES)
+    fast = merge(models, fishers, SPEC, always, num_examples=SIZES, speed=MergeSpeed(cost_dtype="float32"))
     assert max(exact.fraction_permuted) > 0.5
     _assert_same(exact, fast)  # same assignments, hence the same float64 aggregation
 
@@ -81,10 +83,10 @@ def test_float32_costs_match_float64_on_a_small_problem():
 def test_torch_backend_on_cpu_matches_numpy(opts, cost_dtype):
     pytest.importorskip("torch")
     models, fishers = _clients(seed=2)
-    ref = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none", speed=MergeSpeed(cost_dtype=cost_dtype),
-                **opts)
-    out = merge(models, fishers, SPEC, num_examples=SIZES, fallback="none",
-                speed=MergeSpeed(cost_dtype=cost_dtype, backend="torch", device="cpu"), **opts)
+    options = MergeOptions(fallback="none", **opts)
+    ref = merge(models, fishers, SPEC, options, num_examples=SIZES, speed=MergeSpeed(cost_dtype=cost_dtype))
+    out = merge(models, fishers, SPEC, options, num_examples=SIZES,
+                speed=MergeSpeed(cost_dtype=cost_dtype, backend="torch", device="cpu"))
     _assert_same(ref, out, exact=False)
 
 
@@ -202,6 +204,8 @@ def test_bad_speed_options_and_prepared_misuse_are_rejected():
         MergeSpeed(stack_bytes=-1)
     with pytest.raises(TypeError, match="MergeSpeed"):
         merge(models, fishers, SPEC, speed={"certify": True})
+    with pytest.raises(TypeError, match="MergeOptions"):
+        merge(models, fishers, SPEC, {"reference": 0})
     prepared = prepare_clients(models, fishers, num_examples=SIZES)
     with pytest.raises(ValueError, match="fishers=None"):
         merge(prepared, fishers, SPEC)
@@ -216,9 +220,9 @@ def test_merge_engine_imports_and_runs_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import numpy as np\n"
-        "from fedfiot_flwr.merge import merge, mlp_spec\n"
+        "from fedfiot_flwr.merge import MergeOptions, merge, mlp_spec\n"
         "m = [{'fc1.weight': np.eye(3), 'fc2.weight': np.ones((2, 3))}] * 2\n"
-        "print(merge(m, m, mlp_spec(['fc1', 'fc2'], bias=False), reference=0).aligned)\n"
+        "print(merge(m, m, mlp_spec(['fc1', 'fc2'], bias=False), MergeOptions(reference=0)).aligned)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
@@ -233,7 +237,7 @@ def test_sweep_validates_each_distinct_model_once_and_chooses_as_separate_merges
     models, fishers = _clients(seed=6, shared=3.0)
     uploads = CollectedUploads(weights=models, fishers=fishers, num_examples=SIZES, client_ids=list("abcd"),
                                metrics=[{}] * 4)
-    target = merge(models, fishers, SPEC, num_examples=SIZES, reference=0).model
+    target = merge(models, fishers, SPEC, MergeOptions(reference=0), num_examples=SIZES).model
     seen: list[str] = []
 
     def validate(model):
@@ -249,8 +253,9 @@ def test_sweep_validates_each_distinct_model_once_and_chooses_as_separate_merges
     best = None
     for cand in grid.candidates(default, 2):
         ref = models[0] if cand.reference == "broadcast" else cand.reference
-        res = merge(models, fishers, SPEC, lam=cand.lam, rho=cand.rho, reference=ref, num_examples=SIZES,
-                    fallback="none", fisher_scaling=cand.fisher_scaling)
+        options = MergeOptions(lam=cand.lam, rho=cand.rho, reference=ref, fallback="none",
+                               fisher_scaling=cand.fisher_scaling)
+        res = merge(models, fishers, SPEC, options, num_examples=SIZES)
         for variant, model in [("aligned", res.model), ("identity", res.identity_model)]:
             score = validate(model)["accuracy"]
             if best is None or score > best[0]:

@@ -7,7 +7,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedfiot_flwr.merge import apply_permutations, merge, spec_from_module
+from fedfiot_flwr.merge import MergeOptions, apply_permutations, merge, spec_from_module
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,10 @@ def test_permuted_copies_are_recovered(matching, trained):
         noisy = {n: v + 1e-3 * rng.normal(size=v.shape) for n, v in base.items()}
         models.append(apply_permutations(noisy, spec, perms))
         fishers.append(apply_permutations(fisher, spec, perms))
-    averaged = merge(models, fishers, spec, lam=1e-4, rho=0.5, reference=0, matching="none", aggregation="uniform")
-    res = merge(models, fishers, spec, lam=1e-4, rho=0.5, reference=0, matching=matching, aggregation="fisher")
+    averaged = merge(models, fishers, spec,
+                     MergeOptions(lam=1e-4, rho=0.5, reference=0, matching="none", aggregation="uniform"))
+    res = merge(models, fishers, spec,
+                MergeOptions(lam=1e-4, rho=0.5, reference=0, matching=matching, aggregation="fisher"))
     merged_acc = accuracy(model, res.model, x, y)
     avg_acc = accuracy(model, averaged.model, x, y)
     assert res.aligned

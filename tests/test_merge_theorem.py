@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedfiot_flwr.merge import PermutationSpec, merge
+from fedfiot_flwr.merge import MergeOptions, PermutationSpec, merge
 
 
 @settings(max_examples=60, deadline=None)
@@ -22,7 +22,7 @@ def test_layer_objective_is_monotone(m, d, k, lam, rho, seed):
     models = [{"w": rng.normal(size=(m, d)), "b": rng.normal(size=m)} for _ in range(k)]
     fishers = [{"w": rng.exponential(size=(m, d)) * rng.integers(0, 2, size=(m, d)),
                 "b": rng.exponential(size=m)} for _ in range(k)]
-    res = merge(models, fishers, spec, lam=lam, rho=rho, max_iters=10, reference=int(rng.integers(k)))
+    res = merge(models, fishers, spec, MergeOptions(lam=lam, rho=rho, max_iters=10, reference=int(rng.integers(k))))
     rep = res.reports["P"]
     trace = [rep.initial_objective]
     for a, o in zip(rep.alignment_objectives, rep.objectives):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedfiot_flwr.merge import PermutationSpec, merge
+from fedfiot_flwr.merge import MergeOptions, PermutationSpec, merge, prepare_clients
 
 SPEC = PermutationSpec({"w": ("P0", None), "b": ("P0",), "out": (None, "P0")})
 
@@ -16,10 +16,13 @@ def good():
     return models, fishers
 
 
-def run(models, fishers, **kw):
-    opts = dict(spec=SPEC, lam=1e-3, rho=0.5, max_iters=4, reference=0)
-    opts.update(kw)
-    return merge(models=models, fishers=fishers, **opts)
+def run(models, fishers, spec=SPEC, num_examples=None, buffers=None, client_ids=None, **options):
+    """Merge with these options; uploads with buffers or client names go through prepare_clients."""
+    opts = MergeOptions(**{"lam": 1e-3, "rho": 0.5, "max_iters": 4, "reference": 0, **options})
+    if buffers is None and client_ids is None:
+        return merge(models, fishers, spec, opts, num_examples=num_examples)
+    clients = prepare_clients(models, fishers, buffers=buffers or (), num_examples=num_examples, client_ids=client_ids)
+    return merge(clients, None, spec, opts)
 
 
 def test_good_input_merges():
@@ -110,12 +113,14 @@ def test_size_scaled_fisher_merge_arithmetic():
     spec = PermutationSpec({"w": ("P", None)})
     models = [{"w": np.array([[0.0], [1.0]])}, {"w": np.array([[4.0], [3.0]])}]
     fishers = [{"w": np.array([[1.0], [2.0]])}, {"w": np.array([[1.0], [1.0]])}]
-    res = merge(models, fishers, spec, lam=1e-12, rho=1.0, reference=0, num_examples=[1, 3],
-                matching="none", aggregation="fisher", fisher_scaling="size")
+    res = merge(models, fishers, spec, MergeOptions(lam=1e-12, rho=1.0, reference=0, matching="none",
+                                                    aggregation="fisher", fisher_scaling="size"),
+                num_examples=[1, 3])
     # weights n_k * F_k: row 0 -> (1*0 + 3*4) / 4 = 3; row 1 -> (2*1 + 3*3) / 5 = 2.2
     np.testing.assert_allclose(res.model["w"].ravel(), [3.0, 2.2])
-    res = merge(models, fishers, spec, lam=1e-12, rho=1.0, reference=0, num_examples=[1, 3],
-                matching="none", aggregation="fisher", fisher_scaling="normalized-size")
+    res = merge(models, fishers, spec, MergeOptions(lam=1e-12, rho=1.0, reference=0, matching="none",
+                                                    aggregation="fisher", fisher_scaling="normalized-size"),
+                num_examples=[1, 3])
     # normalized: client 0 / 1.5, client 1 / 1; then * 2 n_k / n = 0.5, 1.5
     w0, w1 = 0.5 / 1.5, 1.5
     np.testing.assert_allclose(res.model["w"].ravel(),

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedfiot_flwr.merge import PermutationSpec, merge
+from fedfiot_flwr.merge import MergeOptions, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.merge.costs import fisher_cost_matrix
 from _fedfiot_helpers import WORKED_FISHERS, WORKED_MODELS, WORKED_SPEC
 
@@ -11,8 +11,8 @@ SPEC, MODELS, FISHERS = WORKED_SPEC, WORKED_MODELS, WORKED_FISHERS
 
 
 def run(**kw):
-    return merge(models=MODELS, fishers=FISHERS, spec=SPEC, lam=1.0, rho=1.0, max_iters=8, reference=0,
-                 num_examples=None, **kw)
+    return merge(models=MODELS, fishers=FISHERS, spec=SPEC,
+                 options=MergeOptions(lam=1.0, rho=1.0, max_iters=8, reference=0, **kw), num_examples=None)
 
 
 def test_fedfiot_alignment_merge_objective_and_iterations():
@@ -63,8 +63,8 @@ def test_comparison_table_rows(matching, aggregation, merged, objective):
 
 
 def test_fedavg_configuration_weights_by_size():
-    res = merge(MODELS, FISHERS, SPEC, lam=1.0, rho=1.0, reference=0, num_examples=[3, 1],
-                matching="none", aggregation="size")
+    res = merge(MODELS, FISHERS, SPEC, MergeOptions(lam=1.0, rho=1.0, reference=0, matching="none", aggregation="size"),
+                num_examples=[3, 1])
     np.testing.assert_allclose(res.model["w"].ravel(), [2.5, 3.5, 7.5])
     assert res.aligned is False
 
@@ -72,10 +72,11 @@ def test_fedavg_configuration_weights_by_size():
 def test_uniform_aggregation_ignores_sizes_and_buffers_follow_sizes():
     spec = PermutationSpec({"w": ("P0", None), "rm": ("P0",)})
     models = [dict(MODELS[0], rm=np.array([1.0, 2.0, 3.0])), dict(MODELS[1], rm=np.array([5.0, 6.0, 7.0]))]
-    res = merge(models, FISHERS, spec, lam=1.0, rho=1.0, reference=0, num_examples=[3, 1],
-                matching="none", aggregation="uniform", buffers=["rm"])
+    clients = prepare_clients(models, FISHERS, buffers=["rm"], num_examples=[3, 1])
+    res = merge(clients, None, spec,
+                MergeOptions(lam=1.0, rho=1.0, reference=0, matching="none", aggregation="uniform"))
     np.testing.assert_allclose(res.model["w"].ravel(), [5.0, 3.0, 7.0])
     np.testing.assert_allclose(res.model["rm"], [2.0, 3.0, 4.0])  # buffers: weighted 3:1 by size
-    res = merge(models, FISHERS, spec, lam=1.0, rho=1.0, reference=0, num_examples=[3, 1], buffers=["rm"])
+    res = merge(clients, None, spec, MergeOptions(lam=1.0, rho=1.0, reference=0))
     # the running stats moved with client 2's aligned channels (2, 3, 1)
     np.testing.assert_allclose(res.model["rm"], [(3 * 1 + 6) / 4, (3 * 2 + 7) / 4, (3 * 3 + 5) / 4])

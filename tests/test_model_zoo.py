@@ -21,7 +21,7 @@ from torch import nn
 from fedfiot_flwr import FedFiOT
 from fedfiot_flwr.batchnorm import batchnorm_recalibration, recompute_batchnorm_statistics
 from fedfiot_flwr.client import pack_reply
-from fedfiot_flwr.merge import apply_permutations, merge, spec_from_module
+from fedfiot_flwr.merge import MergeOptions, apply_permutations, merge, prepare_clients, spec_from_module
 from fedfiot_flwr.models import ResNet20
 from fedfiot_flwr.server.shell import arrays_to_numpy
 
@@ -169,8 +169,8 @@ def test_merging_two_identical_copies_returns_the_model(name: str, specs) -> Non
     randomise_norms(model, 6)
     state = numpy_state(model)
     params, buffers = parameters_and_buffers(model)
-    res = merge([state, state], random_fishers(state, params, 2, 7), specs(name), reference=0,
-                num_examples=[3, 5], buffers=buffers, max_iters=1 if name in HEAVY else 2)
+    clients = prepare_clients([state, state], random_fishers(state, params, 2, 7), buffers=buffers, num_examples=[3, 5])
+    res = merge(clients, None, specs(name), MergeOptions(reference=0, max_iters=1 if name in HEAVY else 2))
     assert res.aligned
     for k, v in state.items():
         assert res.model[k].shape == v.shape and res.model[k].dtype == v.dtype
@@ -185,8 +185,8 @@ def test_merging_three_independent_models_loads_strictly(name: str, specs) -> No
         randomise_norms(m, 20 + k)
     states = [numpy_state(m) for m in models]
     params, buffers = parameters_and_buffers(models[0])
-    res = merge(states, random_fishers(states[0], params, 3, 8), specs(name), num_examples=[4, 5, 6],
-                buffers=buffers, max_iters=1 if name in HEAVY else 4, fallback="none")
+    clients = prepare_clients(states, random_fishers(states[0], params, 3, 8), buffers=buffers, num_examples=[4, 5, 6])
+    res = merge(clients, None, specs(name), MergeOptions(max_iters=1 if name in HEAVY else 4, fallback="none"))
     assert all(np.all(np.isfinite(v)) for v in res.model.values())
     if len(specs(name).perm_names):
         assert max(res.fraction_permuted) > 0  # independent inits: alignment moves neurons

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedfiot_flwr.fisher import output_vectors
-from fedfiot_flwr.merge import merge
+from fedfiot_flwr.merge import MergeOptions, merge
 from fedfiot_flwr.refine.linalg import LayerMoments, NeuronStats, reconstruction_error, repair_rescale, ridge_refit
 from fedfiot_flwr.models import build_model, permutation_spec
 from fedfiot_flwr.refine import ClientModels, Folds, RefineOptions, refine_merged_model
@@ -146,7 +146,7 @@ def test_refinement_never_fits_on_the_selection_fold() -> None:
     clients, model = _clients()
     spec = permutation_spec(model)
     fishers = [{k: np.ones_like(v) for k, v in c.items()} for c in clients]
-    res = merge(clients, fishers, spec, reference=0)
+    res = merge(clients, fishers, spec, MergeOptions(reference=0))
     opts = RefineOptions(ridges=(1e-2,), repair=True, client_candidates=False, keep_candidates=True,
                          finetune_epochs=2, augment_copies=1)
     fit = _loader(200, 5)

@@ -8,7 +8,7 @@ from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
 from _fedfiot_helpers import SHAPES, SPEC, client_uploads, packed, reply
 
 from fedfiot_flwr import FedFiOT, FedFiOTConfig
-from fedfiot_flwr.merge import MergeSpeed, merge
+from fedfiot_flwr.merge import MergeOptions, MergeSpeed, merge
 from fedfiot_flwr.merge.prepared import fisher_scale_factors
 from fedfiot_flwr.merge.robust import (
     DEFAULT_FISHER_CAP,
@@ -80,10 +80,11 @@ def test_an_inflated_clients_share_is_bounded(factor: float) -> None:
 
 def test_the_capped_merge_of_an_inflated_round_stays_near_the_honest_merge() -> None:
     weights, fishers, sizes = _honest(seed=3)
-    honest = merge(weights, fishers, SPEC, num_examples=sizes, matching="none").model
+    unaligned = MergeOptions(matching="none")
+    honest = merge(weights, fishers, SPEC, unaligned, num_examples=sizes).model
     attacked = _inflate(fishers, 0, 1e4)
-    raw = merge(weights, attacked, SPEC, num_examples=sizes, matching="none").model
-    capped = merge(weights, cap_fishers(attacked, DEFAULT_FISHER_CAP), SPEC, num_examples=sizes, matching="none").model
+    raw = merge(weights, attacked, SPEC, unaligned, num_examples=sizes).model
+    capped = merge(weights, cap_fishers(attacked, DEFAULT_FISHER_CAP), SPEC, unaligned, num_examples=sizes).model
     assert _distance(capped, honest) < 0.35 * _distance(raw, honest)
     assert _distance(raw, {n: weights[0][n] for n in SHAPES}) < 0.25 * _distance(honest, weights[0])
 

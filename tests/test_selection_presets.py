@@ -11,7 +11,7 @@ from _fedfiot_helpers import WORKED_SPEC, packed, reply, worked_uploads
 from flwr.app import RecordDict
 
 from fedfiot_flwr import FedFiOT
-from fedfiot_flwr.merge import merge
+from fedfiot_flwr.merge import MergeOptions, merge
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome
@@ -60,7 +60,8 @@ def test_fedavg_candidate_wins_on_validation_and_is_reported_next_to_fedfiot():
     assert out.own_variant == "identity"
     np.testing.assert_allclose(out.own_model["w"].ravel(), IDENTITY)
     assert out.own_validation["accuracy"] < out.validation["accuracy"]
-    fedavg = merge(UPLOADS.weights, UPLOADS.fishers, SPEC, num_examples=[3, 1], matching="none", aggregation="size")
+    fedavg = merge(UPLOADS.weights, UPLOADS.fishers, SPEC, MergeOptions(matching="none", aggregation="size"),
+                   num_examples=[3, 1])
     np.testing.assert_allclose(out.model["w"], fedavg.model["w"])
 
 
@@ -175,7 +176,7 @@ def test_an_exact_objective_tie_keeps_the_aligned_merge_and_every_flag_says_so(
     # The paper's reference and the engine read the tie the same way.
     decoded = collect_uploads([("1", twin), ("2", twin)], None)
     assert fedfiot_merge(decoded.weights, decoded.fishers, SPEC, rho=1.0, lam=1.0, reference=0).aligned
-    assert merge(decoded.weights, decoded.fishers, SPEC, rho=1.0, lam=1.0, reference=0).aligned
+    assert merge(decoded.weights, decoded.fishers, SPEC, MergeOptions(rho=1.0, lam=1.0, reference=0)).aligned
 
 
 def test_the_sweeps_log_lines_count_the_same_knob_settings_and_merges(caplog: pytest.LogCaptureFixture) -> None:

@@ -18,7 +18,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, SweepGrid
 from fedfiot_flwr.app_config import AppConfig, parse_float_list
-from fedfiot_flwr.merge import merge
+from fedfiot_flwr.merge import MergeOptions, merge
 from fedfiot_flwr.server import RunRecorder
 from fedfiot_flwr.server.rounds import jsonable
 from fedfiot_flwr.server.selection import Candidate
@@ -34,8 +34,8 @@ def _replies(uploads, first_node: int = 1):
 
 def _engine_merge(contents, **kw):
     ups = [unpack_reply(c) for c in contents]
-    return merge([u.weights for u in ups], [u.fisher for u in ups], SPEC,
-                 num_examples=[u.num_examples for u in ups], **kw)
+    return merge([u.weights for u in ups], [u.fisher for u in ups], SPEC, MergeOptions(**kw),
+                 num_examples=[u.num_examples for u in ups])
 
 
 def test_aggregate_train_equals_engine_merge_and_keeps_client_metric_names() -> None:

@@ -7,24 +7,25 @@ The objective is the paper's (see README). Decisions where the paper leaves room
   client's alignment changed; the reference client is re-aligned like every other client;
 * the identity fallback follows the paper's Algorithm 1 (line 34): the aligned merge is
   replaced by the identity merge only when its full-model objective is strictly higher;
-* tensors without a Fisher (``buffers``, e.g. BatchNorm running statistics) move with their
-  channel's permutation, take no part in costs or objectives and are averaged weighted by
-  ``num_examples`` (uniformly when sizes are unknown); integer ones are rounded to the nearest
-  integer (:func:`~fedfiot_flwr.merge.dtypes.cast_average`, FedAvg's rule too).
+* tensors without a Fisher (the ``buffers`` given to :func:`~fedfiot_flwr.merge.prepare_clients`,
+  e.g. BatchNorm running statistics) move with their channel's permutation, take no part in
+  costs or objectives and are averaged weighted by ``num_examples`` (uniformly when sizes are
+  unknown); integer ones are rounded to the nearest integer
+  (:func:`~fedfiot_flwr.merge.dtypes.cast_average`, FedAvg's rule too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fedfiot_flwr.options import DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, alignment_kept
+from fedfiot_flwr.options import alignment_kept
 from fedfiot_flwr.options import ModelView as Model
 
 from .backend import get_backend
@@ -385,46 +386,42 @@ def merge(
     models: Sequence[Model] | PreparedClients,
     fishers: Sequence[Model] | None,
     spec: PermutationSpec,
-    lam: float = DEFAULT_LAM,
-    rho: float = DEFAULT_RHO,
-    max_iters: int = DEFAULT_MAX_ITERS,
-    reference: int | str | Model = "largest",
-    num_examples: Sequence[int] | None = None,
-    matching: str = "fisher",
-    aggregation: str = "fisher",
-    buffers: Collection[str] = (),
-    fallback: str = "objective",
-    client_ids: Sequence[str] | None = None,
-    fisher_scaling: str = "none",
+    options: MergeOptions | None = None,
     *,
+    num_examples: Sequence[int] | None = None,
     speed: MergeSpeed | None = None,
     initial_perms: Mapping[str, Sequence[np.ndarray]] | None = None,
 ) -> MergeResult:
     """Merge client models with FedFiOT's alternating Fisher-weighted alignment and aggregation.
 
+    Layer by layer from the input side, the clients' neurons are aligned to a global layer and
+    aggregated, alternately, to minimise
+
+    ``J(W, pi) = sum_k sum_l sum_(i,j) f_k[l,i,j] * (W_l[i,j] - (P_k,l w_k,l P_k,l-1^T)[i,j])**2``
+
+    with ``f_k = (s_k * F_k)**rho + lam`` (docs/algorithm.md derives each step).
+
     Parameters
     ----------
     models : sequence of dict[str, np.ndarray], or PreparedClients
         Client models (same keys and shapes), or uploads checked once by
-        :func:`~fedfiot_flwr.merge.prepare_clients` (then ``fishers=None``; ``buffers``,
-        ``num_examples`` and ``client_ids`` come from it). A sweep over candidates should
-        prepare once: validation, tempering per ``(fisher_scaling, rho)`` and identity merges
-        are then shared.
+        :func:`~fedfiot_flwr.merge.prepare_clients` (then ``fishers=None``). Buffers (tensors
+        without a Fisher, e.g. BatchNorm running statistics; see the module docstring), client
+        names and sizes are given to ``prepare_clients``; plain lists have no buffers and their
+        clients are named by index in errors. A sweep over candidates should prepare once:
+        validation, tempering per ``(fisher_scaling, rho)`` and identity merges are then shared.
     fishers : sequence of dict[str, np.ndarray], or None
         Raw (undamped, untempered) diagonal Fisher per client, same keys and shapes as the
-        models except the tensors named in ``buffers``.
+        models; None with PreparedClients.
     spec : PermutationSpec
         Which axes of which tensors each hidden-unit permutation moves.
-    lam, rho, max_iters, reference, matching, aggregation, fallback, fisher_scaling
-        The algorithm's options, each as :class:`~fedfiot_flwr.merge.options.MergeOptions`
-        documents and validates it (``reference`` may also be a model dict, e.g. the broadcast
-        model).
+    options : MergeOptions, optional
+        The algorithm (tempering, damping, iterations, reference, matching, aggregation, identity
+        rule, Fisher scaling), as :class:`~fedfiot_flwr.merge.options.MergeOptions` documents and
+        validates it; its defaults when omitted.
     num_examples : sequence of int, optional
-        Client sizes; needed for ``reference="largest"`` and ``aggregation="size"``.
-    buffers : collection of str
-        Tensors without a Fisher (BatchNorm running statistics); see the module docstring.
-    client_ids : sequence of str, optional
-        Names used in error messages (default: the client indices).
+        Client sizes, for plain lists (PreparedClients carry theirs); needed for
+        ``reference="largest"`` and ``aggregation="size"``.
     speed : MergeSpeed, optional
         How the merge is computed (cost precision, solver, threads, certified assignments,
         torch backend, memory budget); :class:`~fedfiot_flwr.merge.speed.MergeSpeed`'s defaults
@@ -453,58 +450,109 @@ def merge(
     >>> spec = PermutationSpec({"w": ("P0", None)})
     >>> res = merge([{"w": np.array([[0.], [4.], [8.]])}, {"w": np.array([[10.], [2.], [6.]])}],
     ...             [{"w": np.array([[2.], [0.], [2.]])}, {"w": np.array([[0.], [0.], [2.]])}],
-    ...             spec, lam=1.0, rho=1.0, reference=0)
+    ...             spec, MergeOptions(lam=1.0, rho=1.0, reference=0))
     >>> res.model["w"].ravel().tolist(), res.objective, res.permutations["P0"][1].tolist()
     ([0.5, 5.5, 8.5], 9.0, [1, 2, 0])
     """
     start = time.perf_counter()
-    options = MergeOptions(lam, rho, max_iters, reference, matching, aggregation, fallback, fisher_scaling)
-    speed = MergeSpeed() if speed is None else speed
-    if not isinstance(speed, MergeSpeed):
-        raise TypeError(f"speed must be a MergeSpeed, got {type(speed).__name__}")
-    # A one-off merge tempers each tensor when it reads it (no cache: peak memory stays near the
-    # per-layer stack); a sweep prepares once and caches the tempered Fishers.
-    clients = as_prepared(models, fishers, buffers=buffers, num_examples=num_examples, client_ids=client_ids,
-                          cache_bytes=0)
-    if isinstance(models, PreparedClients) and num_examples is not None and list(num_examples) != clients.num_examples:
-        raise ValueError("num_examples differs from the one given to prepare_clients")
-    num_examples = clients.num_examples
-    if aggregation == "size" and num_examples is None:
+    options = _instance(MergeOptions() if options is None else options, MergeOptions, "options")
+    speed = _instance(MergeSpeed() if speed is None else speed, MergeSpeed, "speed")
+    clients = _prepared(models, fishers, num_examples)
+    if options.aggregation == "size" and clients.num_examples is None:
         raise ValueError("aggregation='size' needs num_examples")
     sizes_per_perm = spec.sizes(clients.shapes)
-    n_clients = len(clients)
-    ref_index = resolve_reference(reference, num_examples, n_clients)
+    ref_index = resolve_reference(options.reference, clients.num_examples, len(clients))
     if ref_index is None:
-        check_reference_model(reference, clients.shapes)  # type: ignore[arg-type]
-    array_backend = get_backend(speed.backend, speed.device)
+        check_reference_model(options.reference, clients.shapes)  # type: ignore[arg-type]
+    perms, reports = _align_all(clients, spec, sizes_per_perm, ref_index, options, speed, initial_perms)
+    identity, aligned, kept = _candidates(clients, spec, perms, options)
+    chosen = aligned if kept else identity
+    return MergeResult(
+        model=chosen[0],
+        objective=chosen[1],
+        identity_objective=identity[1],
+        aligned=kept,
+        permutations={p: [pk[p] for pk in perms] for p in spec.perm_names},
+        reports=reports,
+        aligned_model=aligned[0],
+        identity_model=identity[0],
+        aligned_objective=aligned[1],
+        fraction_permuted=_fractions_permuted(perms, spec, sizes_per_perm),
+        reference=ref_index,
+        seconds=time.perf_counter() - start,
+    )
 
-    xs = clients.models
-    fs = clients.damped(fisher_scaling, rho, lam)
-    sizes = None if num_examples is None else [float(n) for n in num_examples]
+
+def _fractions_permuted(
+    perms: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec, sizes_per_perm: Mapping[str, int]
+) -> list[float]:
+    """Per client, the fraction of all hidden neurons that its alignment moved."""
+    total = sum(sizes_per_perm[p] for p in spec.perm_names)
+    moved = [sum(int(np.sum(pk[p] != np.arange(len(pk[p])))) for p in spec.perm_names) for pk in perms]
+    return [mv / total if total else 0.0 for mv in moved]
+
+
+def _instance(value: Any, kind: type, name: str) -> Any:
+    """``value``, checked to be a ``kind`` (the options objects validate themselves when built)."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _prepared(
+    models: Sequence[Model] | PreparedClients, fishers: Sequence[Model] | None, num_examples: Sequence[int] | None
+) -> PreparedClients:
+    """The uploads as :class:`PreparedClients`: already prepared, or checked now for this one merge.
+
+    A one-off merge tempers each tensor when it reads it (no cache: peak memory stays near the
+    per-layer stack); a sweep prepares once and caches the tempered Fishers.
+    """
+    clients = as_prepared(models, fishers, num_examples=num_examples, cache_bytes=0)
+    if isinstance(models, PreparedClients) and num_examples is not None and list(num_examples) != clients.num_examples:
+        raise ValueError("num_examples differs from the one given to prepare_clients")
+    return clients
+
+
+def _align_all(
+    clients: PreparedClients,
+    spec: PermutationSpec,
+    sizes_per_perm: Mapping[str, int],
+    ref_index: int | None,
+    options: MergeOptions,
+    speed: MergeSpeed,
+    initial_perms: Mapping[str, Sequence[np.ndarray]] | None,
+) -> tuple[list[dict[str, np.ndarray]], dict[str, PermutationReport]]:
+    """Every client's alignment, permutation by permutation in the spec's order (Algorithm 1's
+    outer loop), each solved with the incoming axes aligned by the permutations decided before."""
+    n_clients = len(clients)
+    array_backend = get_backend(speed.backend, speed.device)
+    xs, fs = clients.models, clients.damped(options.fisher_scaling, options.rho, options.lam)
+    if options.matching == "none":  # no alignment: identity everywhere, nothing to iterate
+        return ([{p: np.arange(sizes_per_perm[p]) for p in spec.perm_names} for _ in range(n_clients)],
+                {p: PermutationReport(sizes_per_perm[p], 0, float("nan"), fraction_permuted=[0.0] * n_clients)
+                 for p in spec.perm_names})
+    sizes = None if clients.num_examples is None else [float(n) for n in clients.num_examples]
     perms: list[dict[str, np.ndarray]] = [{} for _ in range(n_clients)]
     reports: dict[str, PermutationReport] = {}
     for perm in spec.perm_names:
-        if matching == "none":  # no alignment: identity everywhere, nothing to iterate
-            reports[perm] = PermutationReport(sizes_per_perm[perm], 0, float("nan"),
-                                              fraction_permuted=[0.0] * n_clients)
-            continue
         names = [n for n in spec.neuron_tensors(perm) if n in fs[0]]
         m = sizes_per_perm[perm]
         if ref_index is None:
-            ref_layer = _layer_matrix([np.asarray(reference[n], dtype=np.float64) for n in names], m)  # type: ignore[index]
+            ref_layer = _layer_matrix([np.asarray(options.reference[n], dtype=np.float64)  # type: ignore[index]
+                                       for n in names], m)
         else:
             ref_layer = _layer_matrix([_as_float64(permute_tensor(xs[ref_index][n], spec.axes[n], perms[ref_index], (0,)))
                                        for n in names], m)
+        keep_layers = options.matching == "euclidean" or options.aggregation != "fisher"
         layer = ClientLayers(
-            _layer_loader(xs, fs, perms, spec, names, m), n_clients,
-            keep_layers=matching == "euclidean" or aggregation != "fisher",
-            stack=_stack_bytes(m, ref_layer.shape[1], n_clients, matching, aggregation,
+            _layer_loader(xs, fs, perms, spec, names, m), n_clients, keep_layers=keep_layers,
+            stack=_stack_bytes(m, ref_layer.shape[1], n_clients, options.matching, options.aggregation,
                                speed.cost_dtype) <= speed.stack_bytes,
             cost_dtype=speed.cost_dtype, backend=array_backend,
         )
-        memo_key = (fisher_scaling, float(rho), float(lam), matching, aggregation, max_iters, speed.lap_solver,
-                    speed.certify, speed.cost_dtype, array_backend.name, str(array_backend.device), layer.stacked, perm,
-                    permutations_digest(perms))
+        memo_key = (options.fisher_scaling, float(options.rho), float(options.lam), options.matching,
+                    options.aggregation, options.max_iters, speed.lap_solver, speed.certify, speed.cost_dtype,
+                    array_backend.name, str(array_backend.device), layer.stacked, perm, permutations_digest(perms))
         found, reports[perm] = _align_permutation(
             m, layer, ref_layer,
             options=options, sizes=sizes, speed=speed,
@@ -514,43 +562,39 @@ def merge(
         del layer
         for pk, p in zip(perms, found):
             pk[perm] = p
-    if matching == "none":
-        perms = [{p: np.arange(sizes_per_perm[p]) for p in spec.perm_names} for _ in range(n_clients)]
+    return perms, reports
 
-    identity_key = (fisher_scaling, float(rho), float(lam), aggregation)
+
+def _candidates(
+    clients: PreparedClients,
+    spec: PermutationSpec,
+    perms: Sequence[Mapping[str, np.ndarray]],
+    options: MergeOptions,
+) -> tuple[tuple[dict[str, np.ndarray], float], tuple[dict[str, np.ndarray], float], bool]:
+    """The identity and aligned merges, each ``(model, J)``, and whether the aligned one is kept
+    (the paper's identity rule, or always with ``fallback="none"``; never without matching).
+
+    Each merge is computed once per prepared uploads: the identity merge does not depend on the
+    reference, and another candidate of a sweep may have found the same alignment.
+    """
+    identity_key = (options.fisher_scaling, float(options.rho), float(options.lam), options.aggregation)
+    fs = clients.damped(options.fisher_scaling, options.rho, options.lam)
+    sizes = None if clients.num_examples is None else [float(n) for n in clients.num_examples]
     if identity_key not in clients.identity_merges:
-        identity_perms: list[dict[str, np.ndarray]] = [{} for _ in range(n_clients)]
-        clients.identity_merges[identity_key] = _merge_all(xs, fs, spec, identity_perms, aggregation, sizes, clients.dtypes)
+        identity_perms: list[dict[str, np.ndarray]] = [{} for _ in range(len(clients))]
+        clients.identity_merges[identity_key] = _merge_all(clients.models, fs, spec, identity_perms,
+                                                           options.aggregation, sizes, clients.dtypes)
     identity_model, identity_objective = clients.identity_merges[identity_key]
-    identity_model = dict(identity_model)
-    if matching == "none":
-        aligned_model, aligned_objective = identity_model, identity_objective
-        aligned = False
-    elif all(np.array_equal(pk[p], np.arange(len(pk[p]))) for pk in perms for p in pk):
+    identity = (dict(identity_model), identity_objective)
+    if options.matching == "none":
+        return identity, identity, False
+    if all(np.array_equal(pk[p], np.arange(len(pk[p]))) for pk in perms for p in pk):
         # Alignment kept every neuron in place: the aligned merge is the identity merge.
-        aligned_model, aligned_objective = dict(identity_model), identity_objective
-        aligned = True
-    else:
-        aligned_key = (*identity_key, permutations_digest(perms))
-        cached = clients.aligned_merges.get(aligned_key)
-        if cached is None:  # another candidate of a sweep may have found the same alignment
-            cached = _merge_all(xs, fs, spec, perms, aggregation, sizes, clients.dtypes)
-            clients.aligned_merges.put(aligned_key, cached)
-        aligned_model, aligned_objective = dict(cached[0]), cached[1]
-        aligned = fallback == "none" or alignment_kept(aligned_objective, identity_objective)
-    total = sum(sizes_per_perm[p] for p in spec.perm_names)
-    moved = [sum(int(np.sum(pk[p] != np.arange(len(pk[p])))) for p in spec.perm_names) for pk in perms]
-    return MergeResult(
-        model=aligned_model if aligned else identity_model,
-        objective=aligned_objective if aligned else identity_objective,
-        identity_objective=identity_objective,
-        aligned=aligned,
-        permutations={p: [pk[p] for pk in perms] for p in spec.perm_names},
-        reports=reports,
-        aligned_model=aligned_model,
-        identity_model=identity_model,
-        aligned_objective=aligned_objective,
-        fraction_permuted=[mv / total if total else 0.0 for mv in moved],
-        reference=ref_index,
-        seconds=time.perf_counter() - start,
-    )
+        return identity, (dict(identity[0]), identity_objective), True
+    aligned_key = (*identity_key, permutations_digest(perms))
+    cached = clients.aligned_merges.get(aligned_key)
+    if cached is None:
+        cached = _merge_all(clients.models, fs, spec, perms, options.aggregation, sizes, clients.dtypes)
+        clients.aligned_merges.put(aligned_key, cached)
+    kept = options.fallback == "none" or alignment_kept(cached[1], identity_objective)
+    return identity, (dict(cached[0]), cached[1]), kept

@@ -205,8 +205,19 @@ def prepare_clients(
 
     Parameters
     ----------
-    models, fishers, buffers, num_examples, client_ids
-        As for :func:`fedfiot_flwr.merge.merge`.
+    models : sequence of dict[str, np.ndarray]
+        Client models (same keys and shapes).
+    fishers : sequence of dict[str, np.ndarray]
+        Raw (undamped, untempered) diagonal Fisher per client, same keys and shapes as the
+        models except the tensors named in ``buffers``.
+    buffers : collection of str
+        Tensors without a Fisher (e.g. BatchNorm running statistics): they move with their
+        channel's permutation and are averaged by size (see :mod:`fedfiot_flwr.merge.engine`).
+    num_examples : sequence of int, optional
+        Client sizes; needed for ``reference="largest"``, ``aggregation="size"`` and the
+        size-based Fisher scalings.
+    client_ids : sequence of str, optional
+        Names used in error messages (default: the client indices ``"0"`` to ``"K-1"``).
     cache_bytes : int
         Memory budget for cached tempered Fishers (each ``(fisher_scaling, rho)`` costs one
         float64 copy of all Fishers); above it, tensors are tempered when used.

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .options import MergeOptions
+
 METHODS: dict[str, dict[str, Any]] = {
     "fedavg": {"matching": "none", "aggregation": "size"},
     "fisher-merge": {"matching": "none", "aggregation": "fisher"},
@@ -22,12 +24,14 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 
 
-def method_options(method: str, **overrides: Any) -> dict[str, Any]:
-    """Keyword arguments of :func:`~fedfiot_flwr.merge.merge` for a named method.
+def method_options(method: str, **overrides: Any) -> MergeOptions:
+    """The :class:`~fedfiot_flwr.merge.options.MergeOptions` of a named method (``overrides``:
+    other fields, e.g. ``lam``), for :func:`~fedfiot_flwr.merge.merge`.
 
-    >>> method_options("fedavg")
-    {'matching': 'none', 'aggregation': 'size'}
+    >>> opts = method_options("fedavg", lam=1e-3)
+    >>> opts.matching, opts.aggregation, opts.lam
+    ('none', 'size', 0.001)
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
-    return {**METHODS[method], **overrides}
+    return MergeOptions(**{**METHODS[method], **overrides})

@@ -22,7 +22,15 @@ import numpy as np
 
 from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.choose import BestSoFar, beats, higher_is_better
-from fedfiot_flwr.merge import FISHER_SCALINGS, MergeResult, PermutationSpec, PreparedClients, merge, prepare_clients
+from fedfiot_flwr.merge import (
+    FISHER_SCALINGS,
+    MergeOptions,
+    MergeResult,
+    PermutationSpec,
+    PreparedClients,
+    merge,
+    prepare_clients,
+)
 from fedfiot_flwr.merge.robust import cap_fishers_explained, describe_outliers
 from fedfiot_flwr.options import (
     DEFAULT_GRID_LAMS,
@@ -341,14 +349,16 @@ def _try_candidates(
             if context.broadcast is None:
                 raise ValueError("reference='broadcast' needs the broadcast model")
             reference = context.broadcast
-        res = merge(
-            clients, None, spec, lam=cand.lam, rho=cand.rho, max_iters=config.max_iters, reference=reference,
+        options = MergeOptions(
+            lam=cand.lam, rho=cand.rho, max_iters=config.max_iters, reference=reference,
             matching=config.matching, aggregation=config.aggregation,
             fallback="none" if config.selection == "validation" else config.selection,
             fisher_scaling=cand.fisher_scaling,
+        )
+        res = merge(
+            clients, None, spec, options, speed=config.speed,
             initial_perms=None if starts is None else starts.nearest(cand.reference, cand.fisher_scaling,
                                                                      cand.rho, cand.lam),
-            speed=config.speed,
         )
         if starts is not None:
             starts.add(cand.reference, cand.fisher_scaling, cand.rho, cand.lam, res.permutations)
