@@ -44,6 +44,7 @@ from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_RHOS, DEFAULT_L
 from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome
+from fedfiot_flwr.validation import make_validate_fn
 from fedfiot_flwr.server.selection import SweepGrid
 from fedfiot_flwr.server.shell import buffers_of
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads
@@ -412,7 +413,7 @@ def one_shot_uploads(
 
 
 class Evaluator:
-    """Fast validation and test accuracy of model dicts (one model object, pre-stacked batches, no grad).
+    """Validation and test scores of model dicts; validation is the shipped scorer the strategies use.
 
     Parameters
     ----------
@@ -424,18 +425,24 @@ class Evaluator:
         Defaults to CUDA when available.
     batch_size : int
         Evaluation batch size.
+
+    Attributes
+    ----------
+    validate : SelectionScorer
+        :func:`fedfiot_flwr.validation.make_validate_fn` on the validation set: ``model dict ->
+        {"accuracy", "loss"}``, with the bounded scoring the strategies' raced selection uses, so a
+        benchmark chooses exactly as a strategy given the same examples would.
     """
 
     def __init__(self, split: FederatedSplit, build: Callable[[], torch.nn.Module],
                  device: torch.device | None = None, batch_size: int = 1000) -> None:
         self.device = device or default_device()
         self.model = build().to(self.device)
-        self.validation = self._batches(split.validation, batch_size)
+        self.validate = make_validate_fn(build().to(self.device), DataLoader(split.validation, batch_size=batch_size),
+                                         self.device)
         self.test_set = split.test
         self.batch_size = batch_size
         self._test: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.validation_calls = 0
-        self.validation_seconds = 0.0
 
     def _batches(self, dataset: Any, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(x.to(self.device), y.to(self.device)) for x, y in DataLoader(dataset, batch_size=batch_size)]
@@ -448,14 +455,6 @@ class Evaluator:
             self._test = self._batches(self.test_set, self.batch_size)
             return self._test
         return DataLoader(self.test_set, batch_size=self.batch_size)
-
-    def validate(self, model: Mapping[str, np.ndarray]) -> dict[str, float]:
-        """``{"accuracy", "loss"}`` on the server validation set."""
-        t0 = time.perf_counter()
-        loss, acc = evaluate(load_numpy(self.model, model), self.validation, device=self.device)
-        self.validation_calls += 1
-        self.validation_seconds += time.perf_counter() - t0
-        return {"accuracy": float(acc), "loss": float(loss)}
 
     def test(self, model: Mapping[str, np.ndarray]) -> tuple[float, float]:
         """``(loss, accuracy)`` on the full test set."""

@@ -213,3 +213,22 @@ def test_equal_terms_runs_the_shipped_refinement_after_every_start(tmp_path: Pat
     page = (tmp_path / "eq.md").read_text()
     assert "server-only" in page and str(tmp_path) not in page
     assert "margin on the mean" in page and "Fisher anchor" in page
+
+
+def test_the_harness_validates_with_the_shipped_scorer_and_scores_as_the_trainer_does(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from fedfiot_flwr.task import evaluate
+    from fedfiot_flwr.validation import SelectionScorer
+
+    setting = _setting("shared")
+    split = setting.app_config().split()
+    build, _, buffers = H.model_tools(setting, split)
+    ev = H.Evaluator(split, build, torch.device("cpu"))
+    assert isinstance(ev.validate, SelectionScorer) and hasattr(ev.validate, "validate_bounded")
+    uploads = H.one_shot_uploads(setting, split, buffers, tmp_path).quantized
+    for weights in uploads.weights[:3]:
+        loss, acc = evaluate(H.load_numpy(build(), weights), DataLoader(split.validation, batch_size=1000), device="cpu")
+        got = ev.validate(weights)
+        assert got["accuracy"] == pytest.approx(acc, abs=1e-12)
+        assert got["loss"] == pytest.approx(loss, rel=1e-5)
