@@ -428,6 +428,8 @@ class Evaluator:
 
     Attributes
     ----------
+    validation : list of (inputs, labels)
+        The validation set's batches, on ``device``.
     validate : SelectionScorer
         :func:`fedfiot_flwr.validation.make_validate_fn` on the validation set: ``model dict ->
         {"accuracy", "loss"}``, with the bounded scoring the strategies' raced selection uses, so a
@@ -438,8 +440,8 @@ class Evaluator:
                  device: torch.device | None = None, batch_size: int = 1000) -> None:
         self.device = device or default_device()
         self.model = build().to(self.device)
-        self.validate = make_validate_fn(build().to(self.device), DataLoader(split.validation, batch_size=batch_size),
-                                         self.device)
+        self.validation = self._batches(split.validation, batch_size)
+        self.validate = make_validate_fn(build().to(self.device), self.validation, self.device)
         self.test_set = split.test
         self.batch_size = batch_size
         self._test: list[tuple[torch.Tensor, torch.Tensor]] | None = None
