@@ -101,12 +101,14 @@ class RoundsSetting:
     seed: int
     batch_size: int = 64
     lr: float = 0.02
+    optimizer: str = "sgd"
 
     def label(self) -> str:
         """Table column of the setting (seeds aggregated)."""
         split = "IID" if self.alpha == 0 else f"Dir({self.alpha:g})"
         part = "" if self.fraction_train == 1 else f", {self.fraction_train:g} of clients per round"
-        return f"{self.dataset} K={self.clients} {split} E={self.epochs}{part}"
+        opt = "" if self.optimizer == "sgd" else f", {self.optimizer} lr={self.lr:g}"
+        return f"{self.dataset} K={self.clients} {split} E={self.epochs}{part}{opt}"
 
 
 @dataclass
@@ -209,7 +211,10 @@ def client_node(setting: RoundsSetting, fed: Federation, pid: int, method: str,
         loader = DataLoader(data, batch_size=setting.batch_size, shuffle=True,
                             generator=torch.Generator().manual_seed(seed))
         t0 = time.perf_counter()
-        metrics = local_train(model, loader, setting.epochs, lr=setting.lr, device="cpu", progress=False)
+        if setting.optimizer == "adam":
+            metrics = adam_train(model, loader, setting.epochs, setting.lr)
+        else:
+            metrics = local_train(model, loader, setting.epochs, lr=setting.lr, device="cpu", progress=False)
         t1 = time.perf_counter()
         metrics["num-examples"] = len(data)
         if method == "fedavg":
@@ -220,6 +225,21 @@ def client_node(setting: RoundsSetting, fed: Federation, pid: int, method: str,
         return Message(content=content, reply_to=msg)
 
     return answer
+
+
+def adam_train(model: torch.nn.Module, loader: DataLoader, epochs: int, lr: float) -> dict[str, float]:
+    """A user's own training loop, as in Flower's PyTorch examples: Adam at a constant ``lr``, cross-entropy."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    total, n = 0.0, 0
+    for _ in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            total, n = total + float(loss) * len(y), n + len(y)
+    return {"train-loss": total / max(n, 1)}
 
 
 def make_strategy(method: str, model: torch.nn.Module, fraction_train: float, server_data: Any) -> FedAvg:
@@ -370,7 +390,7 @@ def margin_table(records: Sequence[dict[str, Any]], setting: str, methods: Seque
     last = max(base) if base else 0
     rounds = sorted({r for r in (1, 2, 3, 5, 10, 15, 20, 25, 30, last) if r in base and r > 0})
     lines = ["| " + key + " | " + " | ".join(f"r{r}" for r in rounds) + " |", "|---" * (len(rounds) + 1) + "|"]
-    lines.append("| fedavg | " + " | ".join(H.fmt_pct(*H.mean_std(base[r])) for r in rounds) + " |")
+    lines.append("| fedavg | " + " | ".join(f"{np.mean(base[r]):.3f} ± {np.std(base[r]):.3f}" for r in rounds) + " |")
     for method in methods:
         if method == "fedavg":
             continue
@@ -461,6 +481,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--methods", nargs="+", default=list(METHODS),
                    help=f"{', '.join(METHODS)}, or fedfiot-r<N> (the default with fisher_rounds=N)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="sgd: the project's trainer (momentum 0.9, weight decay 2e-3, cosine over the local "
+                        "epochs); adam: a plain Adam loop at a constant --lr, as Flower's PyTorch examples train")
+    p.add_argument("--lr", type=float, default=None, help="default 0.02 (sgd), 1e-3 (adam)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--name", default="many_rounds")
@@ -500,8 +524,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for epochs in args.epochs:
             for fraction in args.fraction_train:
                 for seed in args.seeds:
+                    lr = args.lr or (1e-3 if args.optimizer == "adam" else 0.02)
                     setting = RoundsSetting(args.dataset, model, args.clients, alpha, epochs, fraction, args.rounds,
-                                            args.train_fraction, seed)
+                                            args.train_fraction, seed, lr=lr, optimizer=args.optimizer)
                     fed = build_federation(setting)
                     for method in args.methods:
                         t0 = time.perf_counter()
