@@ -417,6 +417,22 @@ def cost_table(records: Sequence[dict[str, Any]], setting: str, methods: Sequenc
     return lines
 
 
+def diagnostics_table(records: Sequence[dict[str, Any]], setting: str, methods: Sequence[str]) -> list[str]:
+    """What the Fisher-weighted rounds did that FedAvg of the same uploads would not (mean over seeds)."""
+    lines = ["| method | round | logit norm / FedAvg-of-the-same-uploads' | held-out loss − FedAvg's | "
+             "Fisher share of the top 1 % logits-layer entries |", "|---|---|---|---|---|"]
+    for method in methods:
+        for r in (1, 2, 3, 5, 10, 20, 30):
+            diags = [rec["diagnostics"] for rec in records if rec["setting"] == setting and rec["method"] == method
+                     and rec["round"] == r and rec.get("diagnostics", {}).get("fisher_top1pct_share") is not None]
+            if diags:
+                ratio = np.mean([d["logit_norm"] / d["fedavg_same_logit_norm"] for d in diags])
+                dloss = np.mean([d["val_loss_own"] - d["fedavg_same_val_loss"] for d in diags])
+                share = np.mean([d["fisher_top1pct_share"] for d in diags])
+                lines.append(f"| {method} | {r} | {ratio:.2f} | {dloss:+.3f} | {share:.2f} |")
+    return lines if len(lines) > 2 else []
+
+
 def markdown(payload: dict[str, Any]) -> str:
     """The results page."""
     records, methods = payload["records"], payload["methods"]
@@ -431,6 +447,10 @@ def markdown(payload: dict[str, Any]) -> str:
             lines += [f"Neurons moved by the alignment: mean {100 * np.mean(moved):.2f} %, "
                       f"largest {100 * np.max(moved):.2f} % (over rounds, seeds and FedFiOT variants).", ""]
         lines += cost_table(records, setting, methods) + [""]
+        diag = diagnostics_table(records, setting, methods)
+        if diag:
+            lines += ["What a Fisher-weighted round returns against FedAvg of the same uploads, on the held-out "
+                      "fold (mean over seeds):", ""] + diag + [""]
     return "\n".join(lines) + "\n"
 
 
