@@ -150,3 +150,17 @@ def test_the_run_config_key_reaches_the_strategy(preset: str, key: int, expected
 
     cfg = AppConfig.from_run_config({"preset": preset, "fisher-rounds": key})
     assert fedfiot_config(cfg).fisher_rounds == expected
+
+
+def test_the_hand_over_average_does_not_depend_on_the_order_replies_arrive_in() -> None:
+    models = []
+    for order in ([0, 1, 2], [2, 0, 1]):
+        strategy = FedFiOT(spec=SPEC, config=FedFiOTConfig.default(fisher_rounds=1))
+        sent = configure_round(strategy, [1, 2, 3], server_round=2)
+        uploads = client_uploads(3, seed=5)
+        nodes = sorted(sent)
+        replies = [answer(sent[nodes[i]], pack_reply(uploads[i][0], {}, uploads[i][2])) for i in order]
+        arrays, _ = strategy.aggregate_train(2, replies)
+        models.append({k: v.numpy() for k, v in arrays.items()})
+    for name in models[0]:
+        np.testing.assert_array_equal(models[0][name], models[1][name])

@@ -198,9 +198,10 @@ class FedAvgAggregator:
         return "FedAvg (example-weighted mean of the weights)"
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
-        """``sum_k n_k W_k / sum_k n_k``."""
-        return RoundOutcome(size_weighted_average(uploads.weights, uploads.num_examples), {"method": "fedavg"},
-                            {"fisher-used": 0})
+        """``sum_k n_k W_k / sum_k n_k``, summed in client-id order so that the arrival order cannot change a bit."""
+        order = sorted(range(len(uploads.client_ids)), key=lambda i: str(uploads.client_ids[i]))
+        model = size_weighted_average([uploads.weights[i] for i in order], [uploads.num_examples[i] for i in order])
+        return RoundOutcome(model, {"method": "fedavg"}, {"fisher-used": 0})
 
 
 # -------------------------------------------------------------------------------- FedFisher
