@@ -59,6 +59,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import harness as H  # noqa: E402
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, fisher_reply  # noqa: E402
 from fedfiot_flwr.app_config import client_round_seed  # noqa: E402
+from fedfiot_flwr.batches import evaluate  # noqa: E402
 from fedfiot_flwr.data import federated_split, load_dataset  # noqa: E402
 from fedfiot_flwr.models import build_model  # noqa: E402
 from fedfiot_flwr.task import train as local_train  # noqa: E402
@@ -265,20 +266,13 @@ def make_strategy(method: str, model: torch.nn.Module, fraction_train: float, se
 
 
 def scorer(model: torch.nn.Module, data: Any) -> Callable[[ArrayRecord], tuple[float, float]]:
-    """``arrays -> (accuracy %, mean loss)`` of ``model``'s architecture on ``data``."""
+    """``arrays -> (accuracy %, mean loss)`` of ``model``'s architecture on ``data`` (:func:`fedfiot_flwr.batches.evaluate`)."""
     batches = list(DataLoader(data, batch_size=1000))
 
-    @torch.no_grad()
     def score(arrays: ArrayRecord) -> tuple[float, float]:
         model.load_state_dict(arrays.to_torch_state_dict())
-        model.eval()
-        correct, loss, n = 0, 0.0, 0
-        for x, y in batches:
-            out = model(x)
-            correct += int((out.argmax(1) == y).sum())
-            loss += float(torch.nn.functional.cross_entropy(out, y, reduction="sum"))
-            n += len(y)
-        return 100.0 * correct / n, loss / n
+        loss, accuracy = evaluate(model, batches, device="cpu")
+        return 100.0 * accuracy, loss
 
     return score
 

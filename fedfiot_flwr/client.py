@@ -179,10 +179,10 @@ def fisher_reply(
     RecordDict
         The reply content (see :mod:`fedfiot_flwr.wire`).
     """
-    return _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, False, fisher_wanted(config)).reply
+    return _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, False, _fisher_wanted(config)).reply
 
 
-def fisher_wanted(config: Mapping[str, Any] | None) -> bool:
+def _fisher_wanted(config: Mapping[str, Any] | None) -> bool:
     """Whether a round's train config asks for the Fisher (yes unless it says no)."""
     return bool((config or {}).get(FISHER_CONFIG_KEY, True))
 
@@ -321,5 +321,5 @@ def train_round(
     metrics = train(model, trainloader, epochs, device=device, progress=progress, **train_kwargs)
     train_seconds = time.perf_counter() - start
     loader = trainloader if fisherloader is None else fisherloader
-    packed = _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, progress, fisher_wanted(config))
+    packed = _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, progress, _fisher_wanted(config))
     return replace(packed, train_seconds=train_seconds)

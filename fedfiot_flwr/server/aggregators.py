@@ -23,7 +23,6 @@ from typing import Any, Protocol
 import numpy as np
 from flwr.supercore import log
 
-from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.choose import higher_is_better
 from fedfiot_flwr.merge import PermutationSpec
 from fedfiot_flwr.reply_limits import fisher_bound_for
@@ -134,10 +133,6 @@ class FedFiOTAggregator:
         """Whether round ``server_round`` merges with the clients' Fisher (``fisher_rounds``)."""
         return uses_fisher(server_round, self.settings.fisher_rounds)
 
-    def for_round(self, server_round: int) -> Aggregator:
-        """This aggregator while it uses the Fisher; the size-weighted average, under FedFiOT's label, after."""
-        return self if self.wants_fisher(server_round) else FedAvgAggregator(self.label)
-
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
         """The candidate sweep with this configuration (:func:`~fedfiot_flwr.server.selection.sweep_candidates`):
         the round's merge, selected on validation data when the configuration asks for it."""
@@ -198,10 +193,9 @@ class FedAvgAggregator:
         return "FedAvg (example-weighted mean of the weights)"
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
-        """``sum_k n_k W_k / sum_k n_k``, summed in client-id order so that the arrival order cannot change a bit."""
-        order = sorted(range(len(uploads.client_ids)), key=lambda i: str(uploads.client_ids[i]))
-        model = size_weighted_average([uploads.weights[i] for i in order], [uploads.num_examples[i] for i in order])
-        return RoundOutcome(model, {"method": "fedavg"}, {"fisher-used": 0})
+        """``sum_k n_k W_k / sum_k n_k`` (:meth:`CollectedUploads.fedavg`); it is also the round's FedAvg alternative."""
+        model = uploads.fedavg()
+        return RoundOutcome(model, {"method": "fedavg"}, {"fisher-used": 0}, alternatives={"fedavg": model})
 
 
 # -------------------------------------------------------------------------------- FedFisher

@@ -16,10 +16,9 @@ import numpy as np
 from flwr.app import RecordDict
 from flwr.supercore import log
 
-from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.refine.base import PostMergeStage, StageResult
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
-from fedfiot_flwr.server.aggregators import Aggregator, describe_fedfiot_choice
+from fedfiot_flwr.server.aggregators import Aggregator, FedAvgAggregator, describe_fedfiot_choice
 from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome
 from fedfiot_flwr.server.uploads import CollectedUploads, collect_uploads, require_enough, weighted_mean_metrics
 from fedfiot_flwr.options import Model
@@ -151,10 +150,13 @@ class RoundMerger:
         return outcome
 
     def round_aggregator(self, server_round: int) -> Aggregator:
-        """The aggregator of round ``server_round`` (FedFiOT after its Fisher rounds: the size-weighted average)."""
-        for_round = getattr(self.aggregator, "for_round", None)
-        aggregator = self.aggregator if for_round is None else for_round(server_round)
-        if aggregator is not self.aggregator and not self._handed_over:
+        """The aggregator of round ``server_round``: an aggregator that no longer wants the Fisher
+        (``wants_fisher``, FedFiOT after its ``fisher_rounds``) hands over to FedAvg under its own label."""
+        wants_fisher = getattr(self.aggregator, "wants_fisher", None)
+        if wants_fisher is None or wants_fisher(server_round):
+            return self.aggregator
+        aggregator = FedAvgAggregator(self.aggregator.label)
+        if not self._handed_over:
             self._handed_over = True
             log(INFO, "%s round %s: from this round on, the clients' weights are averaged by size (FedAvg) and the "
                 "clients skip the Fisher pass (fisher_rounds)", self.aggregator.label, server_round)
@@ -188,7 +190,7 @@ class RoundMerger:
         model = {k: np.asarray(outcome.model[k]) for k in order}
         validation = outcome.validation
         if self.fedavg_baseline and "fedavg" not in outcome.alternatives:
-            outcome.alternatives["fedavg"] = size_weighted_average(uploads.weights, uploads.num_examples)
+            outcome.alternatives["fedavg"] = uploads.fedavg()
         stage: StageResult | None = None
         if self.post_merge is not None:
             stage = self._post_merge(model, uploads, outcome.permutations)

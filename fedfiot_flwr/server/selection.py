@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.choose import BestSoFar, beats, higher_is_better
 from fedfiot_flwr.merge import (
     FISHER_SCALINGS,
@@ -291,7 +290,7 @@ def sweep_candidates(
     merges_validated = validated.calls if validated is not None else 0
     out = RoundOutcome(model, {}, validation=val, candidate=cand, variant=variant, engine_result=res, trials=trials)
     if baseline or (config.fedavg_candidate and validate is not None):
-        out.alternatives["fedavg"] = size_weighted_average(uploads.weights, uploads.num_examples)
+        out.alternatives["fedavg"] = uploads.fedavg()
         if validated is not None:
             out.alternative_validation["fedavg"] = validated(out.alternatives["fedavg"])
     if len(trials) > 1:

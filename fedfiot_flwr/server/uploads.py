@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
+from fedfiot_flwr.baselines.averaging import size_weighted_average
 from fedfiot_flwr.psd import InputGram, KFACFactors
 from fedfiot_flwr.reply_limits import MAX_FISHER_MAGNITUDE
 from fedfiot_flwr.wire import ClientUpload, CurvatureUpload, content_bytes, decode_reply, payload_bytes, reply_layout
@@ -118,6 +119,12 @@ class CollectedUploads:
     bytes_received: int = 0
     bytes_per_client: dict[str, int] = field(default_factory=dict)
     curvature_bytes_per_client: dict[str, int] = field(default_factory=dict)
+
+    def fedavg(self) -> dict[str, np.ndarray]:
+        """FedAvg of the valid uploads, ``sum_k n_k W_k / sum_k n_k``, summed in client-id order so
+        that the order the replies arrived in cannot change a bit."""
+        order = sorted(range(len(self.client_ids)), key=lambda i: str(self.client_ids[i]))
+        return size_weighted_average([self.weights[i] for i in order], [self.num_examples[i] for i in order])
 
     def __len__(self) -> int:
         return len(self.client_ids)
