@@ -137,6 +137,47 @@ def test_alignment_cause_probes_every_alignment_and_picks_knobs_on_validation(tm
 
 
 @pytest.mark.slow
+def test_long_epochs_gap_runs_every_merge_and_the_shared_init_needs_no_alignment(tmp_path: Path) -> None:
+    from research import long_epochs_gap
+
+    payload = long_epochs_gap.main(_digits_analysis(tmp_path, "long"))
+    independent, shared = payload["rows"]
+    for row in payload["rows"]:
+        merges = row["merges"]
+        assert all(math.isfinite(m["test_accuracy"]) for m in merges.values())
+        assert merges["RegMean, diagonal Grams only (alpha 0)"]["alpha"] == 0.0
+    # REPAIR needs corresponding neurons: not offered on unaligned independent clients
+    assert "RegMean + REPAIR" in shared["merges"] and "RegMean + REPAIR" not in independent["merges"]
+    # one shared initialisation: both alignments are the identity, so RegMean after either is RegMean
+    weight = shared["merges"]["FedFiOT weight alignment"]
+    assert weight["moved"] == 0.0 and set(weight["agreement_with_activation"].values()) == {1.0}
+    for after in ("RegMean after FedFiOT's weight alignment", "RegMean after activation alignment"):
+        assert shared["merges"][after]["test_accuracy"] == shared["merges"]["RegMean"]["test_accuracy"]
+    assert independent["merges"]["FedFiOT weight alignment"]["moved"] > 0.0
+    assert "| best single client |" in (tmp_path / "long.md").read_text()
+
+
+def test_repair_restores_the_clients_average_neuron_statistics() -> None:
+    from research import long_epochs_gap
+
+    torch.manual_seed(0)
+    build = lambda: build_model("mlp", (1, 8, 8), 10)  # noqa: E731
+    clients = [H.state_numpy(build()) for _ in range(3)]
+    merged = {n: np.mean([c[n] for c in clients], axis=0) for n in clients[0]}
+    batches = [torch.randn(64, 1, 8, 8) for _ in range(3)]
+    fixed = long_epochs_gap.repaired(merged, clients, build, batches)
+
+    def first_layer_std(state: dict[str, np.ndarray]) -> np.ndarray:
+        x = torch.cat(batches).flatten(1).double().numpy()
+        return (x @ state["fc1.weight"].T.astype(np.float64) + state["fc1.bias"]).std(0)
+
+    target = np.mean([first_layer_std(c) for c in clients], axis=0)
+    assert not np.allclose(first_layer_std(merged), target, rtol=1e-2)  # averaging shrank the neurons
+    np.testing.assert_allclose(first_layer_std(fixed), target, rtol=1e-4)
+    np.testing.assert_array_equal(fixed["fc3.weight"], merged["fc3.weight"])  # the logits are left alone
+
+
+@pytest.mark.slow
 def test_merge_many_matches_each_client_to_the_others_and_picks_knobs_on_validation(tmp_path: Path) -> None:
     from research import merge_many
 
