@@ -534,11 +534,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload: dict[str, Any] = {"command": H.command_line(argv, "benchmarks/many_rounds.py"),
                                "machine": H.machine_description(), "seeds": args.seeds, "methods": args.methods,
                                "records": []}
+    lr = args.lr or (1e-3 if args.optimizer == "adam" else 0.02)
     for alpha in args.alphas:
         for epochs in args.epochs:
             for fraction in args.fraction_train:
                 for seed in args.seeds:
-                    lr = args.lr or (1e-3 if args.optimizer == "adam" else 0.02)
                     setting = RoundsSetting(args.dataset, model, args.clients, alpha, epochs, fraction, args.rounds,
                                             args.train_fraction, seed, lr=lr, optimizer=args.optimizer)
                     fed = build_federation(setting)

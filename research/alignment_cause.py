@@ -124,6 +124,17 @@ def activation_alignment(activations: Sequence[Mapping[str, np.ndarray]], refere
                 for k, a in enumerate(activations)] for p in ref}
 
 
+def permutation_agreement(first: Mapping[str, Sequence[np.ndarray]], second: Mapping[str, Sequence[np.ndarray]],
+                          reference: int) -> dict[str, float]:
+    """Per permutation of ``second``, the share of the non-reference clients' units both put in the same place.
+
+    >>> permutation_agreement({"P": [np.arange(3), np.array([0, 2, 1])]}, {"P": [np.arange(3), np.arange(3)]}, 0)
+    {'P': 0.3333333333333333}
+    """
+    return {p: float(np.mean([np.mean(np.asarray(first[p][k]) == np.asarray(second[p][k]))
+                              for k in range(len(second[p])) if k != reference])) for p in second}
+
+
 def permuted(models: Sequence[Model], spec: PermutationSpec, perms: Mapping[str, Sequence[np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """Every client model in the global order ``perms`` gives it."""
     return [apply_permutations(m, spec, {p: perms[p][k] for p in perms}) for k, m in enumerate(models)]
@@ -163,8 +174,7 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
         am = merge(act_clients, None, spec, MergeOptions(matching="none", **common))
         am_size = merge(act_clients, None, spec, MergeOptions(matching="none", aggregation="size", **common))
         again = merge(act_clients, None, spec, MergeOptions(**common))
-        agreement = {p: float(np.mean([np.mean(wm.permutations[p][k] == perms[p][k])
-                                       for k in range(k_clients) if k != ref])) for p in perms}
+        agreement = permutation_agreement(wm.permutations, perms, ref)
         candidates["weight"].append({**knob, **scored(wm.aligned_model, wm.aligned_objective),
                                      "identity_objective": wm.identity_objective, "agreement": agreement})
         candidates["activation"].append({**knob, **scored(am.model, am.objective)})

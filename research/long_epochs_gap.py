@@ -142,12 +142,12 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
         log(f"  {name:44s} test {100 * rows[name]['test_accuracy']:5.1f}%  val "
             f"{100 * rows[name]['validation_accuracy']:5.1f}%")
 
-    identity, knob = chosen_merge(prepared(up.weights, up.fishers), spec, ref, "none", ev.validate, args.knobs)
+    clients = prepared(up.weights, up.fishers)
+    identity, knob = chosen_merge(clients, spec, ref, "none", ev.validate, args.knobs)
     score("fisher-weighted, no alignment", identity.model, knobs=knob)
-    weight, knob = chosen_merge(prepared(up.weights, up.fishers), spec, ref, "fisher", ev.validate, args.knobs)
+    weight, knob = chosen_merge(clients, spec, ref, "fisher", ev.validate, args.knobs)
     w_perms = weight.permutations
-    agreement = {p: float(np.mean([np.mean(w_perms[p][k] == act_perms[p][k]) for k in range(len(acts)) if k != ref]))
-                 for p in act_perms}
+    agreement = alignment_cause.permutation_agreement(w_perms, act_perms, ref)
     score("FedFiOT weight alignment", weight.aligned_model, knobs=knob,
           moved=float(np.mean(weight.fraction_permuted)), agreement_with_activation=agreement)
     w_aligned = alignment_cause.permuted(up.weights, spec, w_perms)
@@ -165,16 +165,9 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
     own = [(float(ev.validate(w)["accuracy"]), float(ev.test(w)[1])) for w in up.weights]
     best = int(np.argmax([v for v, _ in own]))
     rows["best single client"] = {"validation_accuracy": own[best][0], "test_accuracy": own[best][1], "client": best}
-    movement = [alignment_cause.weight_movement(w, w0) for w, w0 in zip(up.weights, _initial(setting, split, len(fp32)))]
+    movement = [alignment_cause.weight_movement(w, w0) for w, w0 in zip(up.weights, H.initial_weights(setting, split))]
     return [{**H.record_fields(setting), "reference": ref, "merges": rows,
              "cosine_to_init": {t: float(np.mean([m[t]["cosine"] for m in movement])) for t in movement[0]}}]
-
-
-def _initial(setting: H.Setting, split: Any, clients: int) -> list[dict[str, np.ndarray]]:
-    cfg = setting.app_config()
-    if setting.init == "shared":
-        return [H.state_numpy(cfg.build_model(split))] * clients
-    return [H.state_numpy(cfg.build_model(split, seed=cfg.client_init_seed(k))) for k in range(clients)]
 
 
 def markdown(payload: Mapping[str, Any]) -> str:
