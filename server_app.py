@@ -29,6 +29,7 @@ from fedfiot_flwr.models import permutation_spec
 from fedfiot_flwr.refine import RefineOptions
 from fedfiot_flwr.server import FedFiOT, FedFiOTConfig, FedFisherStrategy, MergeStrategy, RegMeanStrategy, RunRecorder
 from fedfiot_flwr.server.nodes import NodeWaiter
+from fedfiot_flwr.server.run_lock import RunDirectoryHeld
 from fedfiot_flwr.server.selection import SweepGrid
 from fedfiot_flwr.server.uploads import TooFewValidReplies
 from fedfiot_flwr.task import evaluate
@@ -171,7 +172,8 @@ def run(grid: Grid, context: Context) -> None:
     Raises
     ------
     RunFailed
-        For a refused run config, too few SuperNodes, or a round left with too few valid replies.
+        For a refused run config, too few SuperNodes, a resume from a directory that another live
+        run holds, or a round left with too few valid replies.
     """
     try:
         cfg = AppConfig.from_run_config(context.run_config)
@@ -186,9 +188,12 @@ def run(grid: Grid, context: Context) -> None:
     min_train = max(1, round(cfg.fraction_train * cfg.num_partitions))
 
     strategy = build_strategy(cfg, model, split.validation, min_train)
-    recorder = RunRecorder.create(cfg.results_dir, cfg.default_run_name(), {"app": cfg.as_dict()},
-                                  resume_from=cfg.resume_from or None,
-                                  may_differ=[f"app.{k}" for k in AppConfig.RUN_ONLY_KEYS])
+    try:
+        recorder = RunRecorder.create(cfg.results_dir, cfg.default_run_name(), {"app": cfg.as_dict()},
+                                      resume_from=cfg.resume_from or None,
+                                      may_differ=[f"app.{k}" for k in AppConfig.RUN_ONLY_KEYS])
+    except RunDirectoryHeld as exc:  # the new directory's results.json says so too
+        raise RunFailed(f"cannot resume: {exc}") from None
     log(INFO, "FedFiOT app (%s): %s; results in %s", type(strategy).__name__, json.dumps(cfg.as_dict()),
         recorder.run_dir)
     if recorder.resume is not None:

@@ -12,6 +12,11 @@ federation gets its own ``FLWR_HOME`` (temp dir), free ports, processes started 
 session and stopped by PID, runtime dependency installation disabled (the app runs in this
 environment), and success is read from the run's ``results.json``, not from exit codes.
 
+Every process it starts runs under :mod:`scripts.supervise`, so the federation ends with the
+launcher however the launcher ends: ``SIGKILL`` and the out-of-memory killer included (the
+supervisors see their lifeline pipe close), and ``SIGINT``, ``SIGTERM`` and ``SIGHUP`` through the
+launcher's own clean-up, after which it names the run directory to ``--resume``.
+
 Development tooling: it lives outside ``fedfiot_flwr`` so that the wheel does not ship it, and its
 TLS helpers need ``cryptography`` (installed by the ``test`` extra).
 """
@@ -38,6 +43,7 @@ from types import ModuleType
 from typing import IO, Any
 
 from fedfiot_flwr.extras import require
+from scripts.supervise import STOP_SIGNALS, descendants, supervised_command
 
 #: SuperNodes of a launched federation when the run leaves K to the federation (the paper's K).
 DEFAULT_NUM_SUPERNODES = 6
@@ -288,6 +294,7 @@ class LocalFederation:
     _own_workdir: bool = False
     _logs: list[IO[bytes]] = field(default_factory=list)
     _replaced: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _lifeline: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("simulation", "deployment"):
@@ -322,16 +329,37 @@ class LocalFederation:
         assert self.workdir is not None
         log = open(self.workdir / f"{role}.log", "ab" if append else "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        # A new session: the process and everything it spawns (ServerApp, simulation engine,
-        # ClientApps) share one process group that stop() can signal by its id.
+        # A new session, so that a Ctrl-C meant for the launcher reaches the launcher only; the
+        # supervisor stops the process and everything it spawned (ServerApp, simulation engine,
+        # ClientApps, in sessions of their own) when asked to, or when this process ends.
         proc = subprocess.Popen(
-            list(cmd), env=self.environ(), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir,
+            self.supervised(cmd), env=self.environ(), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir, pass_fds=(self.lifeline(),),
         )
         if role in self.processes:
             self._replaced.append(self.processes[role])
         self.processes[role] = proc
         return proc
+
+    def lifeline(self) -> int:
+        """The read end of this federation's lifeline pipe, which every supervisor watches.
+
+        Only this process holds the write end (it is not inheritable); when this process ends, or
+        :meth:`stop` closes it, every supervised process is stopped.
+        """
+        if self._lifeline is None:
+            self._lifeline = os.pipe()
+        return self._lifeline[0]
+
+    def supervised(self, cmd: Sequence[str]) -> list[str]:
+        """``cmd`` run under :mod:`scripts.supervise`, tied to this federation's lifeline."""
+        return supervised_command(cmd, self.lifeline())
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline is not None:
+            for fd in self._lifeline:
+                os.close(fd)
+            self._lifeline = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> LocalFederation:
@@ -438,8 +466,9 @@ class LocalFederation:
             If the CLI reports a failure.
         """
         proc = subprocess.run(
-            [_bin("flwr"), "supernode", "register", str(public_key)], env=self.environ(), capture_output=True,
-            text=True, timeout=timeout, cwd=self.workdir, check=False,
+            self.supervised([_bin("flwr"), "supernode", "register", str(public_key)]), env=self.environ(),
+            capture_output=True, text=True, timeout=timeout, cwd=self.workdir, check=False,
+            pass_fds=(self.lifeline(),),
         )
         if proc.returncode != 0:
             raise RuntimeError(f"flwr supernode register {public_key} failed: {proc.stdout}{proc.stderr}")
@@ -481,7 +510,10 @@ class LocalFederation:
         A SuperNode stopped with SIGTERM tells the SuperLink it is leaving, so the SuperLink
         answers its pending instructions with an error at once; after SIGKILL the SuperLink
         notices only when the node's heartbeats stop (about a minute with Flower's defaults).
-        What the process spawned (its ClientApp) is left to :meth:`stop`.
+        The signal goes to the process's supervisor: ``SIGTERM`` (``SIGINT``, ``SIGHUP``) is forwarded
+        and what the process spawned (its ClientApp) is stopped after it; ``SIGKILL`` kills the
+        supervisor and, through the parent-death signal, the process, and leaves what it spawned to
+        :meth:`stop`.
         """
         proc = self.processes[role]
         if proc.poll() is None:
@@ -520,8 +552,9 @@ class LocalFederation:
             Seconds before ``flwr run`` is killed.
         """
         return subprocess.run(
-            self.flwr_run_command(app_dir, run_config, run_config_file), env=self.environ(), capture_output=True,
-            text=True, timeout=timeout, cwd=self.workdir, check=False,
+            self.supervised(self.flwr_run_command(app_dir, run_config, run_config_file)), env=self.environ(),
+            capture_output=True, text=True, timeout=timeout, cwd=self.workdir, check=False,
+            pass_fds=(self.lifeline(),),
         )
 
     def flwr_run_command(
@@ -555,7 +588,9 @@ class LocalFederation:
     def stop(self, grace: float = 10.0) -> None:
         """Stop every started process by PID (SIGTERM, then SIGKILL), with its process group.
 
-        Processes replaced by a restart are included: what they spawned is stopped by their group id.
+        Each is a supervisor (:mod:`scripts.supervise`): it forwards the signal and stops what its
+        process spawned. Processes replaced by a restart are included. Last, the lifeline closes, so
+        a supervisor that is somehow still running stops its process too.
         """
         for proc in reversed([*self._replaced, *self.processes.values()]):
             for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -572,6 +607,7 @@ class LocalFederation:
         for log in self._logs:
             log.close()
         self._logs.clear()
+        self._close_lifeline()
 
     @staticmethod
     def _kill_group(pgid: int, grace: float) -> None:
@@ -602,39 +638,6 @@ class LocalFederation:
         self.cleanup()
 
 
-def _processes() -> dict[int, tuple[int, list[str]]]:
-    """``pid -> (parent pid, argv)`` of every live (non-zombie) process (Linux ``/proc``)."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        # /proc/<pid>/stat: pid (comm) state ppid ...
-        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-        if state != "Z":
-            found[int(proc.name)] = (int(ppid), argv)
-    return found
-
-
-def descendants(pid: int) -> dict[int, list[str]]:
-    """``pid -> argv`` of the live processes ``pid`` started, directly or not (Flower's SuperExec
-    starts the ServerApp and ClientApps in sessions of their own, outside the starter's group)."""
-    table = _processes()
-    found: dict[int, list[str]] = {}
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, (ppid, argv) in table.items():
-            if ppid == parent and child not in found:
-                found[child] = argv
-                frontier.append(child)
-    return found
-
-
 def wait_for_results(path: str | Path, timeout: float = 600.0, poll: float = 1.0) -> dict[str, Any]:
     """Wait until ``results.json`` at ``path`` says "finished" or "failed"; return its content.
 
@@ -657,8 +660,19 @@ def wait_for_results(path: str | Path, timeout: float = 600.0, poll: float = 1.0
     raise TimeoutError(f"{target} did not reach status finished/failed within {timeout:.0f}s")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: run the app once on a private federation, print the results, return 0 only on success."""
+class LauncherStopped(Exception):
+    """The launcher was asked to stop by a signal (``SIGINT``, ``SIGTERM``, ``SIGHUP``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise LauncherStopped(signum)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--app", default=".", help="Flower app directory (default: .)")
     parser.add_argument("--mode", choices=("simulation", "deployment"), default="simulation")
@@ -668,45 +682,117 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-config-file", default=None, help="TOML run config, e.g. configs/digits-oneshot.toml")
     parser.add_argument("--run-config", default="", help='overrides, e.g. "local-epochs=5 alpha=0.2"')
     parser.add_argument("--results-dir", default="results", help="where results/<run-name>/ goes (default: ./results)")
-    parser.add_argument("--run-name", default=None, help="default: main-<timestamp>")
+    parser.add_argument("--run-name", default=None, help="a new directory's name (default: main-<timestamp>)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--keep-workdir", action="store_true", help="keep FLWR_HOME and process logs")
     parser.add_argument("--resume", default=None, metavar="RUN_DIR",
                         help="go on after the last complete round of this earlier run directory, with its settings "
                              "(--run-config may change the total num-server-rounds); results go to a new directory")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: run the app once on a private federation, print the results, return 0 only on success.
+
+    Exit codes: 0 finished, 1 the run failed, 2 refused before a federation started (a bad run
+    config, a checkpoint that cannot be resumed from, a run directory that exists or that a live
+    run holds), 128 + the signal's number when stopped by ``SIGINT``, ``SIGTERM`` or ``SIGHUP``.
+    """
+    args = _parser().parse_args(argv)
     try:
         overrides = parse_run_config(args.run_config)
         if args.resume:
             overrides = resumed_run_config(args.resume, args.run_config_file, overrides)
             args.run_config_file = None  # merged into the overrides
-    except ValueError as exc:  # a bad run config, or a checkpoint that cannot be resumed from
+        k = (args.num_supernodes or _count(overrides.get("num-partitions"))
+             or _num_partitions(args.app, args.run_config_file) or DEFAULT_NUM_SUPERNODES)
+        run_dir = _new_run_dir(Path(args.results_dir).resolve(), args.run_name, args.resume)
+    except ValueError as exc:  # a bad run config, a checkpoint that cannot be resumed from, a taken run name
         print(f"[fedfiot] FAILED: {exc}", file=sys.stderr)
         return 2
-    k = (args.num_supernodes or _count(overrides.get("num-partitions"))
-         or _num_partitions(args.app, args.run_config_file) or DEFAULT_NUM_SUPERNODES)
-    stamp = time.strftime('%Y%m%d-%H%M%S')
-    run_name = args.run_name or (f"{Path(args.resume).resolve().name}-resumed-{stamp}" if args.resume else f"main-{stamp}")
-    results_dir = Path(args.results_dir).resolve()
-    overrides.update({"results-dir": str(results_dir), "run-name": run_name})
-    results_path = results_dir / run_name / "results.json"
+    overrides.update({"results-dir": str(run_dir.parent), "run-name": run_dir.name})
+    results_path = run_dir / "results.json"
 
+    # SIGINT too: a launcher started in the background by a script inherits it ignored.
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
     fed = LocalFederation(mode=args.mode, num_supernodes=k)
+    stopped: int | None = None
+    data: dict[str, Any] = {}
     try:
         data, output = _run_app(fed, args.app, overrides, args.run_config_file, args.timeout, results_path)
         logs = [output, _read(fed.log_path("superlink"))]
+    except (KeyboardInterrupt, LauncherStopped) as exc:
+        stopped = exc.signum if isinstance(exc, LauncherStopped) else signal.SIGINT
     finally:
-        if args.keep_workdir:
-            fed.stop()
-            print(f"[fedfiot] logs kept in {fed.workdir}")
-        else:
-            if not (results_path.exists() and json.loads(results_path.read_text()).get("status") == "finished"):
-                _dump_logs(fed)
-            fed.cleanup()
+        # A second Ctrl-C must not cut the stop short (the supervisors would still stop everything).
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        try:
+            _stop_federation(fed, args.keep_workdir, dump=stopped is None and not _finished(results_path))
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    if stopped is not None:
+        print(f"[fedfiot] stopped by {signal.Signals(stopped).name}; the federation is stopped. "
+              f"{_resume_hint(run_dir)}", file=sys.stderr)
+        return 128 + stopped
     if data.get("status") != "finished":
         print(f"[fedfiot] FAILED: {failure_message(data, logs, results_path)}", file=sys.stderr)
         return 1
+    _print_final(data, results_path)
+    return 0
+
+
+def _new_run_dir(results_dir: Path, run_name: str | None, resume: str | None) -> Path:
+    """Where the run will write: a directory that does not exist yet (the ServerApp creates it).
+
+    Raises
+    ------
+    ValueError
+        When ``--run-name`` names an existing directory: the launcher never points a run at an
+        earlier run's directory (a live run's lock holder is named).
+    """
+    if run_name is not None:
+        target = results_dir / run_name
+        if target.exists():
+            _refuse_held(target)
+            raise ValueError(f"{target} exists: every run writes into a new directory (choose another --run-name, "
+                             f"or go on from that run with --resume {target})")
+        return target
+    stamp = time.strftime('%Y%m%d-%H%M%S')
+    base = f"{Path(resume).resolve().name}-resumed-{stamp}" if resume else f"main-{stamp}"
+    return next(results_dir / name for name in (base, *(f"{base}-{i}" for i in range(2, 10_000)))
+                if not (results_dir / name).exists())
+
+
+def _finished(results_path: Path) -> bool:
+    try:
+        return json.loads(results_path.read_text()).get("status") == "finished"
+    except (OSError, ValueError):
+        return False
+
+
+def _stop_federation(fed: LocalFederation, keep_workdir: bool, dump: bool) -> None:
+    """Stop every process of ``fed``; print the processes' logs first when ``dump`` (a failed run)."""
+    if keep_workdir:
+        fed.stop()
+        print(f"[fedfiot] logs kept in {fed.workdir}")
+        return
+    if dump:
+        _dump_logs(fed)
+    fed.cleanup()
+
+
+def _resume_hint(run_dir: Path) -> str:
+    """How to go on from ``run_dir`` (its last complete round), or that no round was complete."""
+    complete = sorted((run_dir / "checkpoints").glob("round-*.state.json"))
+    if not complete:
+        return f"No round was complete in {run_dir}; nothing to resume from."
+    last = int(complete[-1].name.removeprefix("round-").split(".")[0])
+    return f"Round {last} was the last complete one: go on with --resume {run_dir}"
+
+
+def _print_final(data: Mapping[str, Any], results_path: Path) -> None:
     final = data.get("final", {})
     ours = (final.get("test") or {}).get("accuracy")
     base = (final.get("fedavg_test") or {}).get("accuracy")
@@ -716,7 +802,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     note = "" if own is None else f" (FedAvg won the validation choice; FedFiOT's own merge: {fmt(own)})"
     print(f"[fedfiot] final test accuracy: {label} {fmt(ours)} | FedAvg on the same uploads {fmt(base)}{note}")
     print(f"[fedfiot] results: {results_path}")
-    return 0
 
 
 def resumed_run_config(
@@ -729,10 +814,12 @@ def resumed_run_config(
     ------
     ValueError
         (a :class:`~fedfiot_flwr.server.checkpoint.CheckpointError`) When ``run_dir`` holds no
-        checkpoint to resume from, naming the file and what is wrong.
+        checkpoint to resume from, naming the file and what is wrong; or when a live run holds
+        ``run_dir`` (see :mod:`fedfiot_flwr.server.run_lock`), naming that run's process.
     """
-    from fedfiot_flwr.server.checkpoint import load_resume_point
+    from fedfiot_flwr.server.checkpoint import load_resume_point, run_dir_of
 
+    _refuse_held(run_dir_of(run_dir))  # before reading: a live run may not even have a complete round yet
     point = load_resume_point(run_dir)
     recorded = point.state.get("config", {}).get("app", {})
     values = {k: v for k, v in recorded.items() if k not in ("results-dir", "run-name", "resume-from")}
@@ -741,6 +828,14 @@ def resumed_run_config(
     values.update(overrides)
     values["resume-from"] = str(Path(run_dir).expanduser().resolve())
     return values
+
+
+def _refuse_held(run_dir: Path) -> None:
+    """Raise ValueError naming the live run that holds ``run_dir``, if one does."""
+    from fedfiot_flwr.server.run_lock import RunDirectoryHeld, lock_holder
+
+    if run_dir.is_dir() and (holder := lock_holder(run_dir)) is not None:
+        raise ValueError(str(RunDirectoryHeld(run_dir, holder)))
 
 
 def _run_app(

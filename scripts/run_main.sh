@@ -5,7 +5,8 @@
 #
 # It runs `flwr run . --stream` against a private SuperLink (own FLWR_HOME in a temp dir, free
 # port, runtime dependency installation disabled), waits for the run's results.json, stops the
-# SuperLink by PID, and exits non-zero if the run failed (flwr run itself exits 0 either way); a
+# SuperLink and all it started (also when this script is killed: scripts/supervise.py), and exits
+# non-zero if the run failed (flwr run itself exits 0 either way); a
 # failed run's last line is the app's own error (the one results.json recorded, else the last
 # exception in the ServerApp's log), e.g. "run-config alpha=-1: expected a number > 0".
 # The repository is left unmodified; results go to results/<run-name>/ (git-ignored).

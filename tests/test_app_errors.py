@@ -76,3 +76,32 @@ def test_a_round_without_a_valid_reply_ends_the_run_saying_it_failed_and_why(
     assert "results.json" in line
     results = json.loads(next(tmp_path.glob("none*/results.json")).read_text())
     assert results["status"] == "failed" and "only 0 valid replies" in results["error"]
+
+
+def test_a_resume_from_a_directory_a_live_run_holds_ends_the_run_before_any_client_trains(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import server_app
+
+    from fedfiot_flwr.server import MergeStrategy
+    from fedfiot_flwr.server.run_lock import RunLock
+
+    trained: list[object] = []
+    monkeypatch.setattr(MergeStrategy, "start", lambda self, **kw: trained.append(kw))
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    live = RunLock.acquire(earlier)  # the earlier run's ServerApp, still going on there
+    context = SimpleNamespace(run_config={"num-partitions": 2, "results-dir": str(tmp_path), "run-name": "again",
+                                          "resume-from": str(earlier), "node-wait-s": 1.0})
+    try:
+        with caplog.at_level(logging.INFO, logger="flwr"):
+            server_app.main(_Grid(2), context)
+    finally:
+        live.release()
+    last = _last_record(caplog)
+    line = last.getMessage()
+    assert last.levelno == logging.ERROR and last.exc_info is None and "\n" not in line
+    assert line.startswith(f"FedFiOT run failed: cannot resume: {earlier} is held by a live run: PID ")
+    assert trained == []
+    results = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert results["status"] == "failed" and "is held by a live run" in results["error"]

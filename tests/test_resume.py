@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from torch.utils.data import TensorDataset
 from fedfiot_flwr import FedFiOT
 from fedfiot_flwr.server import FedFiOTConfig, RunRecorder, SweepGrid
 from fedfiot_flwr.server.checkpoint import FORMAT_VERSION, CheckpointError, load_resume_point
+from fedfiot_flwr.server.run_lock import RunDirectoryHeld, lock_holder
 from fedfiot_flwr.server.shell import arrays_to_numpy, numpy_to_arrays
 from scripts.launch import wait_for_results
 
@@ -253,6 +256,54 @@ def test_a_round_checkpoint_file_resumes_from_that_round(tmp_path: Path) -> None
 # -- the launcher -----------------------------------------------------------------------------------------------
 
 
+# -- one writer per run directory ------------------------------------------------------------------------------------
+
+HOLD = """
+import sys, time
+from fedfiot_flwr.server.run_lock import RunLock
+lock = RunLock.acquire(sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _held_by_another_process(run_dir: Path) -> subprocess.Popen[str]:
+    """A process that holds ``run_dir``'s lock, as the ServerApp of a run still going on there does."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_resume_from_a_directory_a_live_run_holds_fails_before_any_client_trains(tmp_path: Path) -> None:
+    stopped = _stopped_run(tmp_path)
+    live = _held_by_another_process(stopped)
+    try:
+        before = _files(stopped)
+        with pytest.raises(RunDirectoryHeld, match=rf"held by a live run: PID {live.pid} on host"):
+            RunRecorder.create(tmp_path, "second", CONFIG, resume_from=stopped)
+        assert _files(stopped) == before
+        record = json.loads((tmp_path / "second" / "results.json").read_text())
+        assert record["status"] == "failed" and f"PID {live.pid}" in record["error"]
+        assert not (tmp_path / "second" / "run.lock").exists()  # the refused run let go of its own directory
+    finally:
+        live.kill()
+        live.wait(timeout=10)
+
+
+def test_a_resumed_run_holds_the_earlier_directory_until_it_ends(tmp_path: Path) -> None:
+    stopped = _stopped_run(tmp_path)
+    before = _files(stopped)
+    first = RunRecorder.create(tmp_path, "first", CONFIG, resume_from=stopped)
+    assert lock_holder(stopped).pid == os.getpid() and lock_holder(first.run_dir).pid == os.getpid()
+    with pytest.raises(RunDirectoryHeld):  # the same run cannot go on in two places at once
+        RunRecorder.create(tmp_path, "second", CONFIG, resume_from=stopped)
+    _run(first, Clients())
+    assert lock_holder(stopped) is None and lock_holder(first.run_dir) is None
+    assert _files(stopped) == before and not (first.run_dir / "run.lock").exists()
+    again = RunRecorder.create(tmp_path, "third", CONFIG, resume_from=stopped)  # free again once it ended
+    assert again.resume is not None and again.resume.round == 2
+
+
 def test_the_launcher_resumes_with_the_settings_the_checkpoint_recorded(tmp_path: Path) -> None:
     from scripts.launch import resumed_run_config
 
@@ -325,7 +376,9 @@ def test_a_deployment_killed_after_round_2_resumes_and_ends_as_the_uninterrupted
         os.kill(serverapps[0], signal.SIGKILL)
         superlink.wait(timeout=30)
         fed.kill("flwr-run", signal.SIGKILL)
-        killed_files = {p: p.read_bytes() for p in (results / "killed").rglob("*") if p.is_file()}
+        # The killed ServerApp's lock file stays behind (stale), for the resumed run to take over and remove.
+        assert (results / "killed" / "run.lock").exists()
+        killed_files = {p: p.read_bytes() for p in (results / "killed").rglob("*") if p.is_file() and p.name != "run.lock"}
 
         restarted = time.monotonic()
         fed.restart_superlink()
@@ -343,7 +396,7 @@ def test_a_deployment_killed_after_round_2_resumes_and_ends_as_the_uninterrupted
     assert data["status"] == "finished", data.get("error")
     killed = json.loads((results / "killed" / "results.json").read_text())
     assert killed["status"] == "running" and [r["round"] for r in killed["rounds"]][:2] == [1, 2]
-    assert {p: p.read_bytes() for p in (results / "killed").rglob("*") if p.is_file()} == killed_files
+    assert {p: p.read_bytes() for p in (results / "killed").rglob("*") if p.is_file()} == killed_files  # lock gone
     assert data["resumed_from"]["round"] == 2 and data["resumed_from"]["run_dir"] == str(results / "killed")
     assert [(r["round"], r.get("carried_over", False)) for r in data["rounds"]] == \
         [(1, True), (2, True), (3, False), (4, False)]

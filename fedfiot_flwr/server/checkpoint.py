@@ -138,7 +138,7 @@ class ResumePoint:
     Attributes
     ----------
     run_dir : Path
-        The run directory it belongs to (never modified by a resumed run).
+        The run directory it belongs to (a resumed run only holds its lock, ``run.lock``, meanwhile).
     state_path, model_path : Path
         The round's state and model files.
     round : int
@@ -213,6 +213,18 @@ def _locate(source: Path) -> tuple[Path, Path]:
                "(written before resume support, or not one complete round)" if models else "has no round checkpoint")
         raise CheckpointError(f"{checkpoints}: {why}; nothing to resume from")
     return checkpoints.parent, found[-1][1]
+
+
+def run_dir_of(source: str | os.PathLike[str]) -> Path:
+    """The run directory a resume source names, without reading it (see :func:`load_resume_point`).
+
+    >>> run_dir_of("/runs/a/checkpoints/round-002.pt").as_posix(), run_dir_of("/runs/a/checkpoints").as_posix()
+    ('/runs/a', '/runs/a')
+    """
+    path = Path(source).expanduser().resolve()
+    if path.suffix in (".pt", ".json") or path.name.endswith(".state.json"):
+        return path.parent.parent
+    return path.parent if path.name == "checkpoints" else path
 
 
 def _read_state(path: Path) -> dict[str, Any]:

@@ -9,8 +9,11 @@ disk. Every run gets a new directory (an existing one is never reused: ``name``,
     result = recorder.run(strategy, grid=grid, initial_arrays=arrays, num_rounds=1, evaluate_fn=test_fn)
     # recorder.path -> results/my-run/results.json; recorder.run_dir / "checkpoints" / "final.pt"
 
-Every round leaves a checkpoint a later run can resume from
-(:mod:`fedfiot_flwr.server.checkpoint`); a run that stopped goes on in a new directory::
+A run directory has one writer: the recorder holds its lock (:mod:`fedfiot_flwr.server.run_lock`)
+from :meth:`RunRecorder.create` to :meth:`RunRecorder.finish`. Every round leaves a checkpoint a
+later run can resume from (:mod:`fedfiot_flwr.server.checkpoint`); a run that stopped goes on in a
+new directory, and holds the earlier one's lock meanwhile, so that a run goes on in one place at a
+time::
 
     recorder = RunRecorder.create("results", "my-run-resumed", config={"lr": 0.01}, resume_from="results/my-run")
     result = recorder.run(strategy, grid=grid, initial_arrays=arrays, num_rounds=4, evaluate_fn=test_fn)
@@ -36,13 +39,15 @@ from fedfiot_flwr.server.checkpoint import (
     CheckpointError,
     ResumePoint,
     load_resume_point,
+    run_dir_of,
     save_checkpoint,
     write_round_checkpoint,
 )
 from fedfiot_flwr.server.rounds import jsonable
+from fedfiot_flwr.server.run_lock import RunDirectoryHeld, RunLock
 from fedfiot_flwr.server.shell import MergeStrategy, arrays_to_numpy, numpy_to_arrays
 
-__all__ = ["RunRecorder", "save_checkpoint", "unique_run_dir"]
+__all__ = ["RunDirectoryHeld", "RunRecorder", "save_checkpoint", "unique_run_dir"]
 
 #: Recorded settings a resumed run may change: how many rounds the run has in all.
 RESUMABLE_CHANGES = ("num_rounds",)
@@ -95,6 +100,36 @@ class RunRecorder:
         }
         self.resume: ResumePoint | None = None
         self._may_differ: tuple[str, ...] = RESUMABLE_CHANGES
+        self._locks: list[RunLock] = []
+
+    def hold(self) -> None:
+        """Hold the run directory's lock (and the resumed run's, once :attr:`resume` is set), if not yet held.
+
+        Raises
+        ------
+        RunDirectoryHeld
+            When a live process holds either directory, naming it.
+        """
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        held = {lock.run_dir for lock in self._locks if lock.held}
+        wanted = [(self.run_dir, "writes")]
+        if self.resume is not None:
+            wanted.append((self.resume.run_dir, f"resumes into {self.run_dir} from"))
+        for directory, purpose in wanted:
+            if Path(directory).resolve() not in held:
+                self._locks.append(RunLock.acquire(directory, purpose))
+
+    def _hold_source(self, resume_from: str | os.PathLike[str]) -> None:
+        """Hold the run directory ``resume_from`` names, when there is one."""
+        source = run_dir_of(resume_from)
+        if source.is_dir():
+            self._locks.append(RunLock.acquire(source, f"resumes into {self.run_dir} from"))
+
+    def release(self) -> None:
+        """Let go of every lock this recorder holds (:meth:`finish` does)."""
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()
 
     @classmethod
     def create(
@@ -116,7 +151,8 @@ class RunRecorder:
         resume_from : path, optional
             Go on from the last complete round of this run directory (or from one round's
             checkpoint file, see :func:`~fedfiot_flwr.server.checkpoint.load_resume_point`). The
-            new directory records it (``"resumed_from"``); the earlier one is never written to.
+            new directory records it (``"resumed_from"``); of the earlier one the recorder only holds
+            the lock (``run.lock``) until :meth:`finish`, and writes nothing else.
         may_differ : iterable of str
             Dotted keys of ``config`` a resumed run may change (``"app.results-dir"``); every
             other setting must equal the checkpoint's (the total ``num_rounds`` may grow).
@@ -126,15 +162,21 @@ class RunRecorder:
         CheckpointError
             When ``resume_from`` holds no checkpoint this package can resume from (naming the file
             and what is wrong); the new directory's ``results.json`` is marked failed with it.
+        RunDirectoryHeld
+            When a live run holds ``resume_from``'s run directory (it names that run's process),
+            recorded the same way.
         """
         recorder = cls(unique_run_dir(results_dir, name), config)
+        recorder.hold()
         if resume_from is None:
             return recorder
         recorder._may_differ = (*RESUMABLE_CHANGES, *may_differ)
         recorder.data["resumed_from"] = {"path": str(Path(resume_from).expanduser().resolve())}
         try:
+            recorder._hold_source(resume_from)  # before reading: a live run may be writing it
             recorder.resume = load_resume_point(resume_from)
-        except CheckpointError as exc:
+            recorder.hold()
+        except (CheckpointError, RunDirectoryHeld) as exc:
             recorder.finish(error=f"cannot resume: {exc}")
             raise
         recorder.data["resumed_from"].update({"run_dir": str(recorder.resume.run_dir), "round": recorder.resume.round,
@@ -159,11 +201,12 @@ class RunRecorder:
         self.write()
 
     def finish(self, final: Mapping[str, Any] | None = None, error: str | None = None) -> None:
-        """Mark the run finished (or failed, with ``error``) and write the file."""
+        """Mark the run finished (or failed, with ``error``), write the file, release the locks."""
         self.data["final"].update(jsonable(dict(final or {})))
         self.data["status"] = "failed" if error else "finished"
         self.data["error"] = error
         self.write()
+        self.release()
 
     def write(self) -> None:
         """Write ``results.json`` atomically (temp file + rename), mode 0644."""
@@ -243,9 +286,11 @@ class RunRecorder:
         (:meth:`~fedfiot_flwr.MergeStrategy.restore`), carries the earlier rounds' records over
         (marked ``"carried_over"``), and starts at the next round from the checkpoint's model; a
         checkpoint that does not fit raises :class:`~fedfiot_flwr.server.checkpoint.CheckpointError`
-        before any client is asked to train. A failing run is recorded as failed with the error,
-        then the error is raised.
+        before any client is asked to train. A run directory that another live run holds raises
+        :class:`~fedfiot_flwr.server.run_lock.RunDirectoryHeld` before that too. A failing run is
+        recorded as failed with the error, then the error is raised.
         """
+        self.hold()  # a recorder built on a directory directly; another live run's directory is not written to
         self.data["config"].update(jsonable({"num_rounds": num_rounds, "strategy": type(strategy).__name__,
                                              "aggregator": strategy.aggregator.config()}))
         self.write()
