@@ -785,11 +785,11 @@ def _stop_federation(fed: LocalFederation, keep_workdir: bool, dump: bool) -> No
 
 def _resume_hint(run_dir: Path) -> str:
     """How to go on from ``run_dir`` (its last complete round), or that no round was complete."""
-    complete = sorted((run_dir / "checkpoints").glob("round-*.state.json"))
-    if not complete:
+    from fedfiot_flwr.server.checkpoint import complete_rounds
+
+    if not (complete := complete_rounds(run_dir)):
         return f"No round was complete in {run_dir}; nothing to resume from."
-    last = int(complete[-1].name.removeprefix("round-").split(".")[0])
-    return f"Round {last} was the last complete one: go on with --resume {run_dir}"
+    return f"Round {complete[-1]} was the last complete one: go on with --resume {run_dir}"
 
 
 def _print_final(data: Mapping[str, Any], results_path: Path) -> None:

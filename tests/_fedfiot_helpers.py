@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -254,3 +256,19 @@ def worked_uploads() -> CollectedUploads:
     """The worked example as a round's collected uploads (clients ``a`` and ``b``, sizes 3 and 1)."""
     return CollectedUploads(client_ids=["a", "b"], weights=WORKED_MODELS, fishers=WORKED_FISHERS, num_examples=[3, 1])
 
+
+
+_HOLD = """
+import sys, time
+from fedfiot_flwr.server.run_lock import RunLock
+lock = RunLock.acquire(sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def held_by_another_process(run_dir: Path) -> subprocess.Popen[str]:
+    """A process that holds ``run_dir``'s lock until it is killed, as a live run's ServerApp does."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc

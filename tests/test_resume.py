@@ -6,8 +6,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,16 @@ import numpy as np
 import pytest
 import torch
 from _fedfiot_helpers import task_identity  # noqa: F401 - autouse fixture
-from _fedfiot_helpers import ROOT, SHAPES, FakeGrid, app_snapshot, live_processes, packed, tiny_mlp
+from _fedfiot_helpers import (
+    ROOT,
+    SHAPES,
+    FakeGrid,
+    app_snapshot,
+    held_by_another_process,
+    live_processes,
+    packed,
+    tiny_mlp,
+)
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from torch.utils.data import TensorDataset
 
@@ -258,25 +265,9 @@ def test_a_round_checkpoint_file_resumes_from_that_round(tmp_path: Path) -> None
 
 # -- one writer per run directory ------------------------------------------------------------------------------------
 
-HOLD = """
-import sys, time
-from fedfiot_flwr.server.run_lock import RunLock
-lock = RunLock.acquire(sys.argv[1])
-print("held", flush=True)
-time.sleep(120)
-"""
-
-
-def _held_by_another_process(run_dir: Path) -> subprocess.Popen[str]:
-    """A process that holds ``run_dir``'s lock, as the ServerApp of a run still going on there does."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    return proc
-
-
 def test_a_resume_from_a_directory_a_live_run_holds_fails_before_any_client_trains(tmp_path: Path) -> None:
     stopped = _stopped_run(tmp_path)
-    live = _held_by_another_process(stopped)
+    live = held_by_another_process(stopped)
     try:
         before = _files(stopped)
         with pytest.raises(RunDirectoryHeld, match=rf"held by a live run: PID {live.pid} on host"):

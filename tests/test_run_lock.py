@@ -5,32 +5,22 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _fedfiot_helpers import held_by_another_process
 
 from fedfiot_flwr.server.run_lock import LOCK_NAME, RunDirectoryHeld, RunLock, lock_holder
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock")
-
-HOLD = """
-import sys, time
-from fedfiot_flwr.server.run_lock import RunLock
-lock = RunLock.acquire(sys.argv[1])
-print("held", flush=True)
-time.sleep(120)
-"""
-
 
 @pytest.fixture
 def holder(tmp_path: Path):  # noqa: ANN201
     """Another process that holds ``tmp_path / "run"``'s lock until it is killed."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    proc = held_by_another_process(run_dir)
     yield run_dir, proc
     proc.kill()
     proc.wait(timeout=10)

@@ -192,6 +192,12 @@ def _state_files(directory: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in directory.glob("round-*.state.json") if (m := _STATE.fullmatch(p.name)))
 
 
+def complete_rounds(run_dir: str | os.PathLike[str]) -> list[int]:
+    """The rounds of ``run_dir`` that left a resume state (``checkpoints/round-NNN.state.json``), in order;
+    the files are not read (:func:`load_resume_point` checks them)."""
+    return [r for r, _ in _state_files(Path(run_dir) / "checkpoints")]
+
+
 def _locate(source: Path) -> tuple[Path, Path]:
     """``(run directory, state file)`` of ``source``: a run directory (its last complete round), its
     ``checkpoints/`` directory, or one round's ``round-NNN.state.json`` or ``round-NNN.pt``."""
@@ -202,7 +208,7 @@ def _locate(source: Path) -> tuple[Path, Path]:
         if not state.is_file():
             raise CheckpointError(f"{state}: missing; {source.name} has no resume state (the round did not "
                                   "complete, or the run was written before resume support)")
-        return state.parent.parent, state
+        return run_dir_of(state), state
     if not source.is_dir():
         raise CheckpointError(f"{source}: no such run directory")
     checkpoints = source if source.name == "checkpoints" else source / "checkpoints"
@@ -212,7 +218,7 @@ def _locate(source: Path) -> tuple[Path, Path]:
         why = (f"has model checkpoints ({', '.join(p.name for p in models[:3])}) but no round-NNN.state.json "
                "(written before resume support, or not one complete round)" if models else "has no round checkpoint")
         raise CheckpointError(f"{checkpoints}: {why}; nothing to resume from")
-    return checkpoints.parent, found[-1][1]
+    return run_dir_of(checkpoints), found[-1][1]
 
 
 def run_dir_of(source: str | os.PathLike[str]) -> Path:
@@ -222,7 +228,7 @@ def run_dir_of(source: str | os.PathLike[str]) -> Path:
     ('/runs/a', '/runs/a')
     """
     path = Path(source).expanduser().resolve()
-    if path.suffix in (".pt", ".json") or path.name.endswith(".state.json"):
+    if path.suffix in (".pt", ".json"):  # one round's files, in <run dir>/checkpoints/
         return path.parent.parent
     return path.parent if path.name == "checkpoints" else path
 

@@ -102,28 +102,10 @@ class RunRecorder:
         self._may_differ: tuple[str, ...] = RESUMABLE_CHANGES
         self._locks: list[RunLock] = []
 
-    def hold(self) -> None:
-        """Hold the run directory's lock (and the resumed run's, once :attr:`resume` is set), if not yet held.
-
-        Raises
-        ------
-        RunDirectoryHeld
-            When a live process holds either directory, naming it.
-        """
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        held = {lock.run_dir for lock in self._locks if lock.held}
-        wanted = [(self.run_dir, "writes")]
-        if self.resume is not None:
-            wanted.append((self.resume.run_dir, f"resumes into {self.run_dir} from"))
-        for directory, purpose in wanted:
-            if Path(directory).resolve() not in held:
-                self._locks.append(RunLock.acquire(directory, purpose))
-
-    def _hold_source(self, resume_from: str | os.PathLike[str]) -> None:
-        """Hold the run directory ``resume_from`` names, when there is one."""
-        source = run_dir_of(resume_from)
-        if source.is_dir():
-            self._locks.append(RunLock.acquire(source, f"resumes into {self.run_dir} from"))
+    def _hold(self, directory: str | os.PathLike[str], purpose: str) -> None:
+        """Hold ``directory``'s lock unless this recorder already does (RunDirectoryHeld when a live run does)."""
+        if Path(directory).resolve() not in {lock.run_dir for lock in self._locks if lock.held}:
+            self._locks.append(RunLock.acquire(directory, purpose))
 
     def release(self) -> None:
         """Let go of every lock this recorder holds (:meth:`finish` does)."""
@@ -167,15 +149,17 @@ class RunRecorder:
             recorded the same way.
         """
         recorder = cls(unique_run_dir(results_dir, name), config)
-        recorder.hold()
+        recorder._hold(recorder.run_dir, "writes")
         if resume_from is None:
             return recorder
         recorder._may_differ = (*RESUMABLE_CHANGES, *may_differ)
         recorder.data["resumed_from"] = {"path": str(Path(resume_from).expanduser().resolve())}
+        purpose = f"resumes into {recorder.run_dir} from"
         try:
-            recorder._hold_source(resume_from)  # before reading: a live run may be writing it
+            if (source := run_dir_of(resume_from)).is_dir():
+                recorder._hold(source, purpose)  # before reading it: a live run may be writing it
             recorder.resume = load_resume_point(resume_from)
-            recorder.hold()
+            recorder._hold(recorder.resume.run_dir, purpose)
         except (CheckpointError, RunDirectoryHeld) as exc:
             recorder.finish(error=f"cannot resume: {exc}")
             raise
@@ -290,7 +274,8 @@ class RunRecorder:
         :class:`~fedfiot_flwr.server.run_lock.RunDirectoryHeld` before that too. A failing run is
         recorded as failed with the error, then the error is raised.
         """
-        self.hold()  # a recorder built on a directory directly; another live run's directory is not written to
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._hold(self.run_dir, "writes")  # a recorder built on a directory directly: not another live run's
         self.data["config"].update(jsonable({"num_rounds": num_rounds, "strategy": type(strategy).__name__,
                                              "aggregator": strategy.aggregator.config()}))
         self.write()
