@@ -31,6 +31,7 @@ from fedfiot_flwr.server import FedFiOT, FedFiOTConfig, FedFisherStrategy, Merge
 from fedfiot_flwr.server.nodes import NodeWaiter
 from fedfiot_flwr.server.run_lock import RunDirectoryHeld
 from fedfiot_flwr.server.selection import SweepGrid
+from fedfiot_flwr.server.stop_request import RunStopped
 from fedfiot_flwr.server.uploads import TooFewValidReplies
 from fedfiot_flwr.task import evaluate
 
@@ -173,7 +174,7 @@ def run(grid: Grid, context: Context) -> None:
     ------
     RunFailed
         For a refused run config, too few SuperNodes, a resume from a directory that another live
-        run holds, or a round left with too few valid replies.
+        run holds, a round left with too few valid replies, or a stop request (a signal) during a round.
     """
     try:
         cfg = AppConfig.from_run_config(context.run_config)
@@ -218,7 +219,7 @@ def run(grid: Grid, context: Context) -> None:
             train_config=train_config,
             evaluate_fn=test_fn,
         )
-    except TooFewValidReplies as exc:
+    except (TooFewValidReplies, RunStopped) as exc:
         raise RunFailed(f"{exc} (results: {recorder.path})") from None
     final = recorder.data["final"]
     ours = (final.get("test") or {}).get("accuracy")

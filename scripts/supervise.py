@@ -18,8 +18,9 @@ supervisor
   the command as if it had been sent ``SIGTERM``;
 - forwards ``SIGTERM``, ``SIGINT`` and ``SIGHUP`` to the command, and sends it ``SIGKILL`` when it
   has not ended ``--grace`` seconds later;
-- once the command has ended, for whatever reason, stops what is left of its descendants
-  (``SIGTERM``, then ``SIGKILL`` after ``--grace`` seconds) and reaps them;
+- once the command has ended, for whatever reason, stops what is left of its descendants, the
+  processes the command started itself first (``SIGTERM``, then ``SIGKILL`` after ``--grace``
+  seconds), and reaps them;
 - ends as the command ended: with its exit code, or by the same signal.
 
 Standard library only and nothing imported from the repository (``-I`` keeps it from reading the
@@ -37,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 
 #: ``prctl`` options (linux/prctl.h).
@@ -164,20 +165,33 @@ class _Supervisor:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
     def sweep(self) -> None:
-        """Stop and reap every descendant left after the command ended."""
+        """Stop and reap every descendant left after the command ended, the eldest first.
+
+        The processes the command started itself (now the supervisor's children: a SuperLink's
+        ServerApp) get ``SIGTERM`` and up to ``grace`` seconds before the rest (the ClientApps and
+        Ray's workers they started), so that a ServerApp hears of the stop before its clients die
+        under it and does not take the round they were in for complete. What is left then gets
+        ``SIGTERM``, and ``SIGKILL`` after ``grace``.
+        """
+        eldest = [pid for pid, (ppid, _) in processes().items() if ppid == self.pid]
+        self._stop(eldest, signal.SIGTERM, lambda: set(eldest) & set(descendants(self.pid)))
         for signum in (signal.SIGTERM, signal.SIGKILL):
             left = descendants(self.pid)
             if not left:
                 break
             if signum == signal.SIGKILL:
                 _say(f"{len(left)} processes still running after {self.grace:g}s: SIGKILL")
-            for pid in left:
-                _signal(pid, signum)
-            deadline = time.monotonic() + self.grace
-            while time.monotonic() < deadline and descendants(self.pid):
-                _reap()
-                time.sleep(0.05)
+            self._stop(left, signum, lambda: descendants(self.pid))
         _reap()
+
+    def _stop(self, pids: Iterable[int], signum: int, running: Callable[[], Collection[int]]) -> None:
+        """Send ``signum`` to ``pids``; reap until ``running()`` is empty or ``grace`` has passed."""
+        for pid in pids:
+            _signal(pid, signum)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and running():
+            _reap()
+            time.sleep(0.05)
 
     def end(self) -> None:
         """End as the command did: its exit code, or the signal that killed it."""

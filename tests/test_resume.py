@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -70,12 +72,12 @@ def _server_data() -> TensorDataset:
     return TensorDataset(torch.randn(48, 4, generator=gen), torch.randint(0, 3, (48,), generator=gen))
 
 
-def _strategy(model: torch.nn.Module | None = None) -> FedFiOT:
+def _strategy(model: torch.nn.Module | None = None, **options: Any) -> FedFiOT:
     """The default preset with a small grid: validation chooses among the largest client and the broadcast model
     as reference (the previous round's global model, what a resumed run takes from the checkpoint)."""
     sweep = SweepGrid(rhos=(0.3, 0.5), lams=(1e-4,), references=("largest", "broadcast"), fisher_scalings=("none",))
     return FedFiOT(model=model or tiny_mlp(), config=FedFiOTConfig.default(sweep=sweep), server_data=_server_data(),
-                   min_train_nodes=3, min_available_nodes=3)
+                   min_train_nodes=3, min_available_nodes=3, **options)
 
 
 def _initial() -> dict[str, np.ndarray]:
@@ -399,3 +401,60 @@ def test_a_deployment_killed_after_round_2_resumes_and_ends_as_the_uninterrupted
     assert largest <= 1e-6
     assert data["final"]["test"] == pytest.approx(whole["final"]["test"], abs=1e-6)
     assert app_snapshot() == before
+
+
+#: A ServerApp process as Flower's simulation runtime runs it: Flower's signal handlers in the main thread, the
+#: recorded run in another. In round 3 the process is asked to stop (``SIGNUM``) and the last client of the round
+#: dies in the shutdown (an error reply), as a ClientApp does when its federation is stopped under it.
+STOPPED_PROCESS = """
+import os, signal, sys, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from flwr.app import Error, Message, MessageType
+from flwr.supercore.exit import register_signal_handlers
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.supercore.telemetry import EventType
+from fedfiot_flwr.server import RunRecorder
+from fedfiot_flwr.server.stop_request import stop_requested
+import test_resume
+from test_resume import CONFIG, NODES, Clients, _run, _strategy
+
+test_resume._strategy = lambda model=None: _strategy(model, min_valid_replies=2)  # a round goes on without one client
+
+class DyingInTheShutdown(Clients):
+    def __call__(self, node, msg):
+        if (msg.metadata.message_type == MessageType.TRAIN and int(msg.content["config"]["server-round"]) == 3
+                and node == NODES[-1]):
+            os.kill(os.getpid(), getattr(signal, sys.argv[3]))
+            deadline = time.monotonic() + 10
+            while not stop_requested() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return Message(Error(code=0, reason="ClientAppActor died"), reply_to=msg)
+        return super().__call__(node, msg)
+
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+recorder = RunRecorder.create(sys.argv[2], "stopped", CONFIG)
+server = threading.Thread(target=lambda: _run(recorder, DyingInTheShutdown()), daemon=True)
+register_signal_handlers(event_type=EventType.FLWR_SIMULATION_RUN_LEAVE, bckg_threads=[server])
+server.start()
+server.join()
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_round_during_which_the_serverapp_was_asked_to_stop_is_not_taken_for_complete(tmp_path: Path,
+                                                                                         signum: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", STOPPED_PROCESS, str(Path(__file__).parent), str(tmp_path), signum],
+                          capture_output=True, text=True, timeout=120, check=False)
+    run_dir = tmp_path / "stopped"
+    data = json.loads((run_dir / "results.json").read_text())
+    assert [r["round"] for r in data["rounds"] if "test" in r] == [1, 2], proc.stderr[-3000:]
+    assert data["status"] == "failed" and "asked to stop (a signal) during round 3" in data["error"]
+    assert not (run_dir / "checkpoints" / "round-003.pt").exists()
+    assert load_resume_point(run_dir).round == 2  # a resumed run goes on from the last complete round
+
+    resumed = RunRecorder.create(tmp_path, "resumed", CONFIG, resume_from=run_dir)
+    result = _run(resumed, Clients())
+    whole = _run(RunRecorder.create(tmp_path, "whole", CONFIG), Clients())
+    final, reference = arrays_to_numpy(result.arrays), arrays_to_numpy(whole.arrays)
+    assert all(np.array_equal(final[k], reference[k]) for k in reference)

@@ -138,3 +138,47 @@ def test_a_killed_supervisor_takes_its_command_with_it(tree) -> None:  # noqa: A
     os.kill(t.proc.pid, signal.SIGKILL)
     assert t.proc.wait(timeout=5) == -signal.SIGKILL
     _gone_within([t.child], 5.0)  # the parent-death signal; the detached grandchild is the launcher's to stop
+
+
+#: A command (a SuperLink) that starts a server (a ServerApp) which starts a worker (a ClientApp) and then
+#: ends; on SIGTERM the server writes, half a second later, whether its worker is still running.
+GENERATIONS = """
+import os, signal, sys, time
+out = sys.argv[1]
+if os.fork() == 0:
+    worker = os.fork()
+    if worker == 0:
+        time.sleep(120)
+        os._exit(0)
+    def on_term(signum, frame):
+        time.sleep(0.5)  # a ServerApp finishing its exit handlers
+        alive = os.waitpid(worker, os.WNOHANG) == (0, 0)
+        open(out + ".worker-alive", "w").write(str(alive))
+        os._exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    open(out + ".server", "w").write(str(os.getpid()))
+    open(out + ".worker", "w").write(str(worker))
+    time.sleep(120)
+    os._exit(0)
+while not os.path.exists(out + ".worker"):
+    time.sleep(0.01)
+sys.exit(0)
+"""
+
+
+def test_after_the_command_ends_the_processes_it_started_are_stopped_before_the_ones_they_started(tmp_path: Path) -> None:
+    read, write = os.pipe()
+    out = tmp_path / "gen"
+    cmd = supervised_command([sys.executable, "-c", GENERATIONS, str(out)], read)
+    proc = subprocess.Popen(cmd, pass_fds=(read,), start_new_session=True)
+    os.close(read)
+    try:
+        assert proc.wait(timeout=20) == 0
+        server, worker = _pid(Path(f"{out}.server")), _pid(Path(f"{out}.worker"))
+        assert not _alive(server) and not _alive(worker)
+        assert Path(f"{out}.worker-alive").read_text() == "True"  # the server heard of the stop first
+    finally:
+        os.close(write)
+        for name in ("server", "worker"):
+            if Path(f"{out}.{name}").exists() and _alive(pid := int(Path(f"{out}.{name}").read_text())):
+                os.kill(pid, signal.SIGKILL)

@@ -46,6 +46,7 @@ from fedfiot_flwr.server.checkpoint import (
 from fedfiot_flwr.server.rounds import jsonable
 from fedfiot_flwr.server.run_lock import RunDirectoryHeld, RunLock
 from fedfiot_flwr.server.shell import MergeStrategy, arrays_to_numpy, numpy_to_arrays
+from fedfiot_flwr.server.stop_request import RunStopped, stop_requested, watch_stop_signals
 
 __all__ = ["RunDirectoryHeld", "RunRecorder", "save_checkpoint", "unique_run_dir"]
 
@@ -272,8 +273,13 @@ class RunRecorder:
         checkpoint that does not fit raises :class:`~fedfiot_flwr.server.checkpoint.CheckpointError`
         before any client is asked to train. A run directory that another live run holds raises
         :class:`~fedfiot_flwr.server.run_lock.RunDirectoryHeld` before that too. A failing run is
-        recorded as failed with the error, then the error is raised.
+        recorded as failed with the error, then the error is raised. A round during which the process
+        was asked to stop (:mod:`fedfiot_flwr.server.stop_request`) may have lost replies to the
+        shutdown: it is neither tested nor checkpointed (its merge report stays in the results), and
+        the run ends with
+        :class:`~fedfiot_flwr.server.stop_request.RunStopped`.
         """
+        watch_stop_signals()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._hold(self.run_dir, "writes")  # a recorder built on a directory directly: not another live run's
         self.data["config"].update(jsonable({"num_rounds": num_rounds, "strategy": type(strategy).__name__,
@@ -287,6 +293,11 @@ class RunRecorder:
                 raise
 
         def recorded_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            # A round during a stop may have lost replies to the shutdown: it is not a complete round.
+            if server_round > 0 and stop_requested():
+                raise RunStopped(f"the run was asked to stop (a signal) during round {server_round}: round "
+                                 f"{server_round} is neither tested nor checkpointed; the last complete round is "
+                                 f"{server_round - 1}")
             res = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
             if server_round == 0:
                 self.data["initial_test"] = _scalars(res)
