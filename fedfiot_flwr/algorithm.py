@@ -4,21 +4,28 @@
 scipy's exact assignment, float64). The fast engine :func:`fedfiot_flwr.merge.merge` returns
 bit-identical models and permutations (``tests/test_algorithm_reference.py``). Comments marked
 "engine:" name a choice the paper leaves open, made here as the engine makes it.
+
+:func:`fedfiot_gram_merge` is the same alternation with a layer curvature in place of the diagonal
+Fisher: RegMean's input Gram (:class:`GramCurvature`), for Linear layers; both of its steps
+minimise one objective, and without alignment it is RegMean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from numbers import Real
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import scipy.linalg
 from scipy.optimize import linear_sum_assignment
 
 from fedfiot_flwr.options import DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, alignment_kept
 from fedfiot_flwr.options import ModelView as Model
 
-from .merge.spec import PermutationSpec
+from .merge.spec import AxisPerm, PermutationSpec
+from .psd import InputGram, layer_matrix
 
 
 
@@ -227,3 +234,251 @@ def _check(weights: Sequence[Model], fishers: Sequence[Model], spec: Permutation
             if what == "Fisher" and np.any(t < 0):
                 raise ValueError(f"client {k}, Fisher of {n!r}: negative entries")
     return spec.sizes(shapes)
+
+
+# --- the Gram curvature ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GramCurvature:
+    r"""RegMean's layer curvature for :func:`fedfiot_gram_merge`.
+
+    Client k's curvature of a Linear layer is :math:`A_k = s_k\,(\alpha G_k + (1-\alpha)\,\mathrm{diag}\,G_k
+    + r\,\bar g_k I)`, with :math:`G_k = E_k[x x^T]` the uploaded input Gram (augmented with a constant
+    input for a bias), :math:`s_k` the client's share of the examples, :math:`\bar g_k` the mean of
+    :math:`\mathrm{diag}\,G_k`.
+
+    Attributes
+    ----------
+    alpha : float
+        Off-diagonal scaling in [0, 1] (1: the least-squares fit on the union of the clients' inputs).
+    ridge : float
+        Relative ridge r >= 0 (0: RegMean's pseudo-inverse handles a singular sum).
+    """
+
+    alpha: float = 1.0
+    ridge: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.alpha, Real) and 0.0 <= self.alpha <= 1.0):
+            raise ValueError(f"GramCurvature: alpha must lie in [0, 1], got {self.alpha!r}")
+        if not (isinstance(self.ridge, Real) and 0.0 <= self.ridge < np.inf):
+            raise ValueError(f"GramCurvature: ridge must be finite and >= 0, got {self.ridge!r}")
+
+
+class GramMergeResult(NamedTuple):
+    """:class:`FedFiOTResult`'s fields, the objective of the aligned and the identity merge, and per
+    group the group's objective after every step of its alternation (starting point included)."""
+
+    model: dict[str, np.ndarray]
+    permutations: dict[str, list[np.ndarray]]
+    aligned: bool
+    objectives: tuple[float, float]
+    steps: dict[str, list[float]]
+
+
+def fedfiot_gram_merge(
+    weights: Sequence[Model],
+    grams: Sequence[Mapping[str, InputGram]],
+    num_examples: Sequence[float],
+    spec: PermutationSpec,
+    *,
+    curvature: GramCurvature = GramCurvature(),
+    max_iters: int = DEFAULT_MAX_ITERS,
+    reference: int | str | Model = "largest",
+) -> GramMergeResult:
+    r"""Merge K client models by alternating Gram-weighted alignment and aggregation.
+
+    The same alternation as :func:`fedfiot_merge`, on the objective
+
+    .. math::
+        J(W, \pi) = \sum_k \sum_l \mathrm{tr}\big((W_l - P_{kl} w_{kl} P_{k,l-1}^T)\, A_{kl}\,
+        (W_l - P_{kl} w_{kl} P_{k,l-1}^T)^T\big),
+
+    :math:`w_{kl} = [W\ b]` of client k's Linear layer l and :math:`A_{kl}` its curvature
+    (:class:`GramCurvature`) with rows and columns in the order of the group solved before. For a
+    group, from the reference's layers, each step assigns (Hungarian) on
+
+    .. math::
+        C_k[i, j] = \sum_{l \in \text{group}} (W_{l,i} - w_{kl,j})\, A_{kl}\, (W_{l,i} - w_{kl,j})^T,
+
+    the squared difference of the two units' pre-activations on client k's own inputs, then
+    aggregates in closed form, :math:`W_l = (\sum_k P_k w_{kl} A_{kl})(\sum_k A_{kl})^{-1}`
+    (RegMean's: the solution closest to the size-weighted average when the sum is singular).
+    Both steps minimise the group's terms of J exactly, so they never raise it (``steps``).
+    Tensors without a Gram (an input layer's sibling, buffers) are size-weighted averages after
+    their permutation, outside J; every tensor a group moves on axis 0 must be a Gram layer's.
+    The identity rule compares the same J.
+
+    Parameters
+    ----------
+    weights : sequence of dict[str, np.ndarray]
+        Per client, the model.
+    grams : sequence of mapping of str to InputGram
+        Per client, ``{module: InputGram}`` of the same Linear layers
+        (:func:`fedfiot_flwr.curvature.input_grams`).
+    num_examples : sequence of float
+        Client sizes (the curvature's shares, ``"largest"``, the averages).
+    spec : PermutationSpec
+        Which axes of which tensors each permutation group moves.
+    curvature : GramCurvature
+        Off-diagonal scaling and ridge.
+    max_iters : int
+        Inner iterations per group.
+    reference : int, "largest" or dict
+        A client index, the client with most examples, or a model in the global order.
+
+    Returns
+    -------
+    GramMergeResult
+
+    Examples
+    --------
+    Two one-layer clients whose hidden units are swapped merge into either of them:
+
+    >>> spec = PermutationSpec({"a.weight": ("P", None), "b.weight": (None, "P")})
+    >>> w1 = {"a.weight": np.array([[1., 0.], [0., 2.]]), "b.weight": np.array([[1., 3.]])}
+    >>> w2 = {"a.weight": w1["a.weight"][::-1], "b.weight": w1["b.weight"][:, ::-1]}
+    >>> g = {"a": InputGram("a.weight", None, np.eye(2)), "b": InputGram("b.weight", None, np.eye(2))}
+    >>> g2 = {"a": g["a"], "b": InputGram("b.weight", None, np.eye(2))}
+    >>> out = fedfiot_gram_merge([w1, w2], [g, g2], [1, 1], spec, reference=0)
+    >>> out.model["a.weight"].tolist(), out.permutations["P"][1].tolist(), out.objectives[0]
+    ([[1.0, 0.0], [0.0, 2.0]], [1, 0], 0.0)
+    """
+    layers = _check_grams(weights, grams, num_examples, spec, max_iters)
+    ref = _reference_client(reference, num_examples, weights)
+    share = np.asarray(num_examples, dtype=np.float64) / float(np.sum(num_examples))
+    x = [{n: np.asarray(t, dtype=np.float64) for n, t in wk.items()} for wk in weights]
+    a = [{l: s * _scaled_gram(gk[l].gram, curvature) for l in layers} for gk, s in zip(grams, share)]
+    perms: list[dict[str, np.ndarray]] = [{} for _ in weights]
+    steps: dict[str, list[float]] = {}
+    for group in spec.perm_names:
+        members = [l for l, g in layers.items() if spec.axes[g.weight][0] is not None
+                   and spec.axes[g.weight][0].perm == group]
+        views = [[_gram_view(xk, layers[l], ak[l], spec, pk) for l in members] for xk, ak, pk in zip(x, a, perms)]
+        if ref is not None:
+            w = [m for m, _ in views[ref]]
+        else:
+            w = [layer_matrix(np.asarray(reference[layers[l].weight], np.float64),  # type: ignore[index]
+                              None if layers[l].bias is None else np.asarray(reference[layers[l].bias], np.float64))
+                 for l in members]
+        pi = [np.arange(w[0].shape[0])] * len(weights)
+        steps[group] = [_group_objective(w, views, pi)]
+        for s in range(1, max_iters + 1):
+            costs = [sum(_gram_cost(wl, m, am) for wl, (m, am) in zip(w, vk)) for vk in views]
+            new = [linear_sum_assignment(c)[1] for c in costs]
+            if s > 1 and all(np.array_equal(p, q) for p, q in zip(new, pi)):
+                break
+            pi = new
+            steps[group].append(_group_objective(w, views, pi))
+            w = [_closed_form([vk[i][0][p] for vk, p in zip(views, pi)], [vk[i][1] for vk in views], share)
+                 for i in range(len(members))]
+            steps[group].append(_group_objective(w, views, pi))
+        for pk, p in zip(perms, pi):
+            pk[group] = p
+    aligned_model, j_aligned = _gram_aggregate(x, a, layers, spec, perms, share, weights[0])
+    identity_model, j_identity = _gram_aggregate(x, a, layers, spec, [{} for _ in weights], share, weights[0])
+    aligned = alignment_kept(j_aligned, j_identity)
+    permutations = {g: [pk[g] for pk in perms] for g in spec.perm_names}
+    return GramMergeResult(aligned_model if aligned else identity_model, permutations, aligned,
+                           (j_aligned, j_identity), steps)
+
+
+def _scaled_gram(gram: np.ndarray, curvature: GramCurvature) -> np.ndarray:
+    """``alpha G + (1 - alpha) diag G + ridge * mean(diag G) I`` (before the client's share)."""
+    g = np.asarray(gram, dtype=np.float64)
+    out = curvature.alpha * g
+    out[np.diag_indices_from(out)] = np.diag(g) + curvature.ridge * float(np.mean(np.diag(g)))
+    return (out + out.T) / 2.0
+
+
+def _input_index(entry: AxisPerm | None, done: Mapping[str, np.ndarray], d_in: int, bias: bool) -> np.ndarray:
+    """The order of a layer's inputs (and its bias input, last) after the solved groups."""
+    index = np.arange(d_in)
+    if entry is not None and entry.perm in done:
+        index = (done[entry.perm][:, None] * entry.block + np.arange(entry.block)).reshape(-1)
+    return np.concatenate([index, [d_in]]) if bias else index
+
+
+def _gram_view(xk: Model, g: InputGram, ak: np.ndarray, spec: PermutationSpec,
+               done: Mapping[str, np.ndarray], rows: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Client k's ``[W b]`` and curvature of layer ``g`` with the solved groups applied (rows too with ``rows``)."""
+    weight = _permute(xk[g.weight], spec.axes[g.weight], done, rows=rows)
+    bias = None if g.bias is None else _permute(xk[g.bias], spec.axes.get(g.bias, ()), done, rows=rows)
+    index = _input_index(spec.axes[g.weight][1], done, weight.shape[1], g.bias is not None)
+    return layer_matrix(weight, bias), ak[np.ix_(index, index)]
+
+
+def _gram_cost(w: np.ndarray, m: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """``C[i, j] = (w_i - m_j) A (w_i - m_j)^T`` by matrix products."""
+    wa, ma = w @ a, m @ a
+    return np.einsum("ic,ic->i", wa, w)[:, None] - 2.0 * wa @ m.T + np.einsum("jc,jc->j", ma, m)[None, :]
+
+
+def _layer_objective(w: np.ndarray, m: np.ndarray, a: np.ndarray) -> float:
+    d = w - m
+    return float(np.sum((d @ a) * d))
+
+
+def _group_objective(w: Sequence[np.ndarray], views: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]],
+                     pi: Sequence[np.ndarray]) -> float:
+    """The group's terms of J: every member layer, every client with its assignment."""
+    return sum(_layer_objective(wl, m[p], am) for vk, p in zip(views, pi) for wl, (m, am) in zip(w, vk))
+
+
+def _closed_form(mats: Sequence[np.ndarray], curvatures: Sequence[np.ndarray], share: np.ndarray) -> np.ndarray:
+    """``(sum_k M_k A_k)(sum_k A_k)^+``, the solution closest to the size-weighted average (RegMean's rule)."""
+    s = _total(list(curvatures))
+    r = _total([m @ ak for m, ak in zip(mats, curvatures)])
+    w_avg = _total([c * m for c, m in zip(share, mats)])
+    delta_t, *_ = scipy.linalg.lstsq((s + s.T) / 2.0, (r - w_avg @ s).T, cond=1e-10)
+    return w_avg + delta_t.T
+
+
+def _gram_aggregate(x: Sequence[Model], a: Sequence[Mapping[str, np.ndarray]], layers: Mapping[str, InputGram],
+                    spec: PermutationSpec, perms: Sequence[Mapping], share: np.ndarray,
+                    dtypes: Model) -> tuple[dict[str, np.ndarray], float]:
+    """Every Gram layer in closed form, every other tensor size-weighted, after ``perms``; and J."""
+    model, J = {}, 0.0
+    for name in x[0]:
+        xs = [_permute(xk[name], spec.axes.get(name, ()), pk) for xk, pk in zip(x, perms)]
+        model[name] = _total([c * xk for c, xk in zip(share, xs)])
+    for l, g in layers.items():
+        views = [_gram_view(xk, g, ak[l], spec, pk, rows=True) for xk, ak, pk in zip(x, a, perms)]
+        w = _closed_form([m for m, _ in views], [am for _, am in views], share)
+        J += sum(_layer_objective(w, m, am) for m, am in views)
+        n_in = int(np.prod(np.shape(x[0][g.weight])[1:]))
+        model[g.weight] = w[:, :n_in].reshape(np.shape(x[0][g.weight]))
+        if g.bias is not None:
+            model[g.bias] = w[:, n_in]
+    for name, value in model.items():
+        dtype = np.asarray(dtypes[name]).dtype
+        model[name] = (np.rint(value) if np.issubdtype(dtype, np.integer) else value).astype(dtype)
+    return model, J
+
+
+def _check_grams(weights: Sequence[Model], grams: Sequence[Mapping[str, InputGram]], num_examples: Sequence[float],
+                 spec: PermutationSpec, max_iters: int) -> dict[str, InputGram]:
+    """Validate the inputs (errors name the client and layer); return client 0's layers by module name."""
+    _check(weights, [{} for _ in weights], spec, 1.0, 1.0, max_iters, num_examples, buffers=set(weights[0]) if weights else ())
+    if num_examples is None or len(grams) != len(weights):
+        raise ValueError(f"need one Gram set and one size per client, got {len(grams)} Gram sets for {len(weights)} clients")
+    layers = dict(grams[0])
+    for k, gk in enumerate(grams):
+        if set(gk) != set(layers):
+            raise ValueError(f"client {k}: Gram layers {sorted(gk)} differ from client 0's {sorted(layers)}")
+        for l, g in gk.items():
+            w = np.asarray(weights[k].get(g.weight, np.empty(0)))
+            d = (w.shape[1] if w.ndim == 2 else -1) + (g.bias is not None)
+            gram = np.asarray(g.gram)
+            if (g.weight, g.bias) != (layers[l].weight, layers[l].bias) or w.ndim != 2 or gram.shape != (d, d):
+                raise ValueError(f"client {k}, Gram of {l!r}: needs a 2-D Linear weight {g.weight!r} and a "
+                                 f"({d}, {d}) Gram, got weight shape {w.shape} and Gram shape {gram.shape}")
+            if not np.all(np.isfinite(gram)) or not np.allclose(gram, gram.T, rtol=1e-6, atol=0.0):
+                raise ValueError(f"client {k}, Gram of {l!r}: not finite or not symmetric")
+    covered = {t for g in layers.values() for t in (g.weight, g.bias) if t is not None}
+    for group in spec.perm_names:
+        missing = [n for n in spec.neuron_tensors(group) if n not in covered]
+        if missing:
+            raise ValueError(f"group {group!r} moves {missing} on axis 0, which no Gram layer covers")
+    return layers
