@@ -267,14 +267,16 @@ class GramCurvature:
 
 
 class GramMergeResult(NamedTuple):
-    """:class:`FedFiOTResult`'s fields, the objective of the aligned and the identity merge, and per
-    group the group's objective after every step of its alternation (starting point included)."""
+    """:class:`FedFiOTResult`'s fields; the objective J of the aligned and of the identity merge; per
+    group, the group's objective after every step of its alternation (starting point included); and
+    J's term of every Gram layer, aligned and identity."""
 
     model: dict[str, np.ndarray]
     permutations: dict[str, list[np.ndarray]]
     aligned: bool
     objectives: tuple[float, float]
     steps: dict[str, list[float]]
+    layer_objectives: tuple[dict[str, float], dict[str, float]]
 
 
 def fedfiot_gram_merge(
@@ -378,10 +380,10 @@ def fedfiot_gram_merge(
             pk[group] = p
     aligned_model, j_aligned = _gram_aggregate(x, a, layers, spec, perms, share, weights[0])
     identity_model, j_identity = _gram_aggregate(x, a, layers, spec, [{} for _ in weights], share, weights[0])
-    aligned = alignment_kept(j_aligned, j_identity)
+    aligned = alignment_kept(sum(j_aligned.values()), sum(j_identity.values()))
     permutations = {g: [pk[g] for pk in perms] for g in spec.perm_names}
     return GramMergeResult(aligned_model if aligned else identity_model, permutations, aligned,
-                           (j_aligned, j_identity), steps)
+                           (sum(j_aligned.values()), sum(j_identity.values())), steps, (j_aligned, j_identity))
 
 
 def _scaled_gram(gram: np.ndarray, curvature: GramCurvature) -> np.ndarray:
@@ -437,16 +439,16 @@ def _closed_form(mats: Sequence[np.ndarray], curvatures: Sequence[np.ndarray], s
 
 def _gram_aggregate(x: Sequence[Model], a: Sequence[Mapping[str, np.ndarray]], layers: Mapping[str, InputGram],
                     spec: PermutationSpec, perms: Sequence[Mapping], share: np.ndarray,
-                    dtypes: Model) -> tuple[dict[str, np.ndarray], float]:
-    """Every Gram layer in closed form, every other tensor size-weighted, after ``perms``; and J."""
-    model, J = {}, 0.0
+                    dtypes: Model) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """Every Gram layer in closed form, every other tensor size-weighted, after ``perms``; and J's layer terms."""
+    model, J = {}, {}
     for name in x[0]:
         xs = [_permute(xk[name], spec.axes.get(name, ()), pk) for xk, pk in zip(x, perms)]
         model[name] = _total([c * xk for c, xk in zip(share, xs)])
     for l, g in layers.items():
         views = [_gram_view(xk, g, ak[l], spec, pk, rows=True) for xk, ak, pk in zip(x, a, perms)]
         w = _closed_form([m for m, _ in views], [am for _, am in views], share)
-        J += sum(_layer_objective(w, m, am) for m, am in views)
+        J[l] = sum(_layer_objective(w, m, am) for m, am in views)
         n_in = int(np.prod(np.shape(x[0][g.weight])[1:]))
         model[g.weight] = w[:, :n_in].reshape(np.shape(x[0][g.weight]))
         if g.bias is not None:

@@ -116,6 +116,19 @@ def chosen_merge(clients: Any, spec: Any, ref: int, matching: str,
     return best[1], best[2]
 
 
+def scorer(ev: H.Evaluator, rows: dict[str, dict[str, Any]], log: Callable[[str], None]) -> Callable[..., None]:
+    """``score(name, model, **extra)``: the model's validation and test accuracy (and ``extra``) into
+    ``rows[name]``, and a log line."""
+
+    def score(name: str, model: Model, **extra: Any) -> None:
+        rows[name] = {"validation_accuracy": float(ev.validate(model)["accuracy"]),
+                      "test_accuracy": float(ev.test(model)[1]), **extra}
+        log(f"  {name:44s} test {100 * rows[name]['test_accuracy']:5.1f}%  val "
+            f"{100 * rows[name]['validation_accuracy']:5.1f}%")
+
+    return score
+
+
 def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every merge of the probe on one cell and seed."""
     split = setting.app_config().split()
@@ -135,12 +148,7 @@ def run_setting(setting: H.Setting, args: argparse.Namespace, log: Callable[[str
         return prepare_clients(w, f, buffers=buffers, num_examples=up.num_examples, checked=True)
 
     rows: dict[str, dict[str, Any]] = {}
-
-    def score(name: str, model: Model, **extra: Any) -> None:
-        rows[name] = {"validation_accuracy": float(ev.validate(model)["accuracy"]),
-                      "test_accuracy": float(ev.test(model)[1]), **extra}
-        log(f"  {name:44s} test {100 * rows[name]['test_accuracy']:5.1f}%  val "
-            f"{100 * rows[name]['validation_accuracy']:5.1f}%")
+    score = scorer(ev, rows, log)
 
     clients = prepared(up.weights, up.fishers)
     identity, knob = chosen_merge(clients, spec, ref, "none", ev.validate, args.knobs)

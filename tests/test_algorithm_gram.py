@@ -64,6 +64,8 @@ def test_the_identity_rule_keeps_the_merge_with_the_lower_objective(seed: int) -
     out = fedfiot_gram_merge(models, grams, sizes, spec, reference=0)
     aligned, identity = out.objectives
     assert out.aligned == (aligned <= identity)
+    assert sum(out.layer_objectives[0].values()) == aligned and sum(out.layer_objectives[1].values()) == identity
+    assert set(out.layer_objectives[0]) == set(LAYERS)
     unaligned = fedfiot_gram_merge(models, grams, sizes, PermutationSpec({n: (None,) * models[0][n].ndim
                                                                           for n in models[0]}))
     assert unaligned.objectives[0] == pytest.approx(identity, rel=1e-10)  # the same J, measured without alignment

@@ -157,6 +157,23 @@ def test_long_epochs_gap_runs_every_merge_and_the_shared_init_needs_no_alignment
     assert "| best single client |" in (tmp_path / "long.md").read_text()
 
 
+@pytest.mark.slow
+def test_gram_alignment_runs_every_merge_and_its_gram_merge_is_regmean_when_the_identity_is_kept(tmp_path: Path) -> None:
+    from research import gram_alignment
+
+    payload = gram_alignment.main(_digits_analysis(tmp_path, "gram"))
+    assert len(payload["rows"]) == 2
+    for row in payload["rows"]:
+        merges = row["merges"]
+        assert all(math.isfinite(m["test_accuracy"]) for m in merges.values())
+        gram = merges["FedFiOT, Gram curvature"]
+        assert gram["alpha"] in gram_alignment.ALPHAS and gram["aligned"] == (gram["objective_aligned"]
+                                                                            <= gram["objective_identity"])
+        if not gram["aligned"] and gram["alpha"] == merges["RegMean"]["alpha"]:  # the same merge, no alignment
+            assert gram["test_accuracy"] == merges["RegMean"]["test_accuracy"]
+    assert "| FedFiOT, Gram curvature |" in (tmp_path / "gram.md").read_text()
+
+
 def test_repair_restores_the_clients_average_neuron_statistics() -> None:
     from research import long_epochs_gap
 
