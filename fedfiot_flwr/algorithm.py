@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-import scipy.linalg
 from scipy.optimize import linear_sum_assignment
 
 from fedfiot_flwr.options import DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, alignment_kept
 from fedfiot_flwr.options import ModelView as Model
 
+from .baselines.regmean import regmean_solution, scale_off_diagonal
 from .merge.spec import AxisPerm, PermutationSpec
 from .psd import InputGram, layer_matrix
 
@@ -372,25 +372,25 @@ def fedfiot_gram_merge(
             if s > 1 and all(np.array_equal(p, q) for p, q in zip(new, pi)):
                 break
             pi = new
-            steps[group].append(_group_objective(w, views, pi))
-            w = [_closed_form([vk[i][0][p] for vk, p in zip(views, pi)], [vk[i][1] for vk in views], share)
+            steps[group].append(float(sum(c[np.arange(len(p)), p].sum() for c, p in zip(costs, pi))))
+            w = [regmean_solution([vk[i][0][p] for vk, p in zip(views, pi)], [vk[i][1] for vk in views], share)
                  for i in range(len(members))]
             steps[group].append(_group_objective(w, views, pi))
         for pk, p in zip(perms, pi):
             pk[group] = p
     aligned_model, j_aligned = _gram_aggregate(x, a, layers, spec, perms, share, weights[0])
     identity_model, j_identity = _gram_aggregate(x, a, layers, spec, [{} for _ in weights], share, weights[0])
-    aligned = alignment_kept(sum(j_aligned.values()), sum(j_identity.values()))
+    objectives = (sum(j_aligned.values()), sum(j_identity.values()))
+    aligned = alignment_kept(*objectives)
     permutations = {g: [pk[g] for pk in perms] for g in spec.perm_names}
-    return GramMergeResult(aligned_model if aligned else identity_model, permutations, aligned,
-                           (sum(j_aligned.values()), sum(j_identity.values())), steps, (j_aligned, j_identity))
+    return GramMergeResult(aligned_model if aligned else identity_model, permutations, aligned, objectives, steps,
+                           (j_aligned, j_identity))
 
 
 def _scaled_gram(gram: np.ndarray, curvature: GramCurvature) -> np.ndarray:
-    """``alpha G + (1 - alpha) diag G + ridge * mean(diag G) I`` (before the client's share)."""
-    g = np.asarray(gram, dtype=np.float64)
-    out = curvature.alpha * g
-    out[np.diag_indices_from(out)] = np.diag(g) + curvature.ridge * float(np.mean(np.diag(g)))
+    """RegMean's off-diagonal scaling plus ``ridge * mean(diag G) I`` (before the client's share)."""
+    out = scale_off_diagonal(gram, curvature.alpha)
+    out[np.diag_indices_from(out)] += curvature.ridge * float(np.mean(np.diag(out)))
     return (out + out.T) / 2.0
 
 
@@ -428,15 +428,6 @@ def _group_objective(w: Sequence[np.ndarray], views: Sequence[Sequence[tuple[np.
     return sum(_layer_objective(wl, m[p], am) for vk, p in zip(views, pi) for wl, (m, am) in zip(w, vk))
 
 
-def _closed_form(mats: Sequence[np.ndarray], curvatures: Sequence[np.ndarray], share: np.ndarray) -> np.ndarray:
-    """``(sum_k M_k A_k)(sum_k A_k)^+``, the solution closest to the size-weighted average (RegMean's rule)."""
-    s = _total(list(curvatures))
-    r = _total([m @ ak for m, ak in zip(mats, curvatures)])
-    w_avg = _total([c * m for c, m in zip(share, mats)])
-    delta_t, *_ = scipy.linalg.lstsq((s + s.T) / 2.0, (r - w_avg @ s).T, cond=1e-10)
-    return w_avg + delta_t.T
-
-
 def _gram_aggregate(x: Sequence[Model], a: Sequence[Mapping[str, np.ndarray]], layers: Mapping[str, InputGram],
                     spec: PermutationSpec, perms: Sequence[Mapping], share: np.ndarray,
                     dtypes: Model) -> tuple[dict[str, np.ndarray], dict[str, float]]:
@@ -447,7 +438,7 @@ def _gram_aggregate(x: Sequence[Model], a: Sequence[Mapping[str, np.ndarray]], l
         model[name] = _total([c * xk for c, xk in zip(share, xs)])
     for l, g in layers.items():
         views = [_gram_view(xk, g, ak[l], spec, pk, rows=True) for xk, ak, pk in zip(x, a, perms)]
-        w = _closed_form([m for m, _ in views], [am for _, am in views], share)
+        w = regmean_solution([m for m, _ in views], [am for _, am in views], share)
         J[l] = sum(_layer_objective(w, m, am) for m, am in views)
         n_in = int(np.prod(np.shape(x[0][g.weight])[1:]))
         model[g.weight] = w[:, :n_in].reshape(np.shape(x[0][g.weight]))

@@ -32,24 +32,15 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import harness as H  # noqa: E402
 from research import long_epochs_gap, writing_here  # noqa: E402
-from fedfiot_flwr.algorithm import GramCurvature, fedfiot_gram_merge  # noqa: E402
+from fedfiot_flwr.algorithm import GramCurvature, GramMergeResult, fedfiot_gram_merge  # noqa: E402
 from fedfiot_flwr.baselines import size_weighted_average  # noqa: E402
-from fedfiot_flwr.baselines.regmean import regmean_merge  # noqa: E402
+from fedfiot_flwr.baselines.regmean import regmean_select  # noqa: E402
+from fedfiot_flwr.choose import BestSoFar  # noqa: E402
 from fedfiot_flwr.curvature import input_grams  # noqa: E402
 from fedfiot_flwr.merge import prepare_clients  # noqa: E402
 
 ALPHAS = (0.1, 0.9, 1.0)
 """Off-diagonal scalings tried by both Gram merges, chosen on validation."""
-
-Model = Mapping[str, np.ndarray]
-
-
-def _best_on_validation(candidates: Mapping[float, Model], validate: Callable[[Model], Mapping[str, float]]
-                        ) -> tuple[float, Model]:
-    scores = {a: float(validate(m)["accuracy"]) for a, m in candidates.items()}
-    alpha = max(scores, key=lambda a: scores[a])  # ties: the first of ALPHAS
-    return alpha, candidates[alpha]
-
 
 def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every merge of the probe on one cell and seed."""
@@ -68,12 +59,15 @@ def run_setting(setting: H.Setting, args: Any, log: Callable[[str], None]) -> li
     clients = prepare_clients(up.weights, up.fishers, buffers=buffers, num_examples=sizes, checked=True)
     diag, knob = long_epochs_gap.chosen_merge(clients, spec, ref, "fisher", ev.validate, args.knobs)
     score("FedFiOT, diagonal Fisher", diag.aligned_model, knobs=knob, moved=float(np.mean(diag.fraction_permuted)))
-    alpha, model = _best_on_validation({a: regmean_merge(fp32, grams, sizes, alpha=a) for a in ALPHAS}, ev.validate)
-    score("RegMean", model, alpha=alpha)
-    merges = {a: fedfiot_gram_merge(fp32, grams, sizes, spec, curvature=GramCurvature(alpha=a), reference=ref)
-              for a in ALPHAS}
-    alpha, model = _best_on_validation({a: m.model for a, m in merges.items()}, ev.validate)
-    chosen = merges[alpha]
+    accuracy = lambda model: float(ev.validate(model)["accuracy"])  # noqa: E731
+    regmean = regmean_select(fp32, grams, sizes, accuracy, alphas=ALPHAS)
+    score("RegMean", regmean.model, alpha=regmean.alpha)
+    best: BestSoFar[tuple[float, GramMergeResult]] = BestSoFar()  # ties: the first of ALPHAS, as RegMean's
+    for a in ALPHAS:
+        merged = fedfiot_gram_merge(fp32, grams, sizes, spec, curvature=GramCurvature(alpha=a), reference=ref)
+        best.offer(accuracy(merged.model), (a, merged))
+    alpha, chosen = best.item
+    model = chosen.model
     moved = float(np.mean([np.mean(p != np.arange(len(p))) for ps in chosen.permutations.values()
                            for k, p in enumerate(ps) if k != ref]))
     score("FedFiOT, Gram curvature", model, alpha=alpha, aligned=chosen.aligned, moved=moved,

@@ -45,7 +45,8 @@ from fedfiot_flwr.choose import BestSoFar
 from fedfiot_flwr.psd import InputGram, layer_matrix
 from fedfiot_flwr.options import Model
 
-__all__ = ["REGMEAN_ALPHAS", "RegMeanResult", "regmean_merge", "regmean_select", "scale_off_diagonal"]
+__all__ = ["REGMEAN_ALPHAS", "RegMeanResult", "regmean_merge", "regmean_select", "regmean_solution",
+           "scale_off_diagonal"]
 
 REGMEAN_ALPHAS: tuple[float, ...] = (0.1, 0.9)
 """The paper's off-diagonal scalings, selected on validation data."""
@@ -83,6 +84,19 @@ def scale_off_diagonal(gram: np.ndarray, alpha: float) -> np.ndarray:
     out = alpha * g
     out[np.diag_indices_from(out)] = np.diag(g)
     return out
+
+
+def regmean_solution(mats: Sequence[np.ndarray], curvatures: Sequence[np.ndarray], shares: Sequence[float],
+                     rcond: float = 1e-10) -> np.ndarray:
+    """``W`` with ``W S = R``, ``S = sum_k A_k``, ``R = sum_k M_k A_k``: of all solutions, the one closest
+    to ``W_avg = sum_k shares_k M_k``, ``W_avg + (R - W_avg S) S^+`` (singular values of the
+    symmetrised ``S`` below ``rcond`` times the largest dropped)."""
+    s = sum(curvatures[1:], curvatures[0])
+    r = sum((m @ a for m, a in zip(mats[1:], curvatures[1:])), mats[0] @ curvatures[0])
+    w_avg = sum(c * m for c, m in zip(shares, mats))
+    s = (s + s.T) / 2.0
+    delta_t, *_ = scipy.linalg.lstsq(s, (r - w_avg @ s).T, cond=rcond)
+    return w_avg + delta_t.T
 
 
 def _check_grams(
@@ -162,16 +176,9 @@ def regmean_merge(
     for layer in layers:
         g0 = grams[0][layer]
         mats = [layer_matrix(m[g0.weight], None if g0.bias is None else m[g0.bias]).astype(np.float64) for m in models]
-        s = np.zeros((mats[0].shape[1],) * 2)
-        r = np.zeros_like(mats[0])
-        for sk, mat, gset in zip(scale, mats, grams):
-            gk = scale_off_diagonal(sk * np.asarray(gset[layer].gram, dtype=np.float64), alpha)
-            s += gk
-            r += mat @ gk
-        w_avg = sum(wk * mat for wk, mat in zip(weights, mats))
-        s = (s + s.T) / 2.0
-        delta_t, *_ = scipy.linalg.lstsq(s, (r - w_avg @ s).T, cond=rcond)
-        merged = w_avg + delta_t.T
+        curvatures = [scale_off_diagonal(sk * np.asarray(gset[layer].gram, dtype=np.float64), alpha)
+                      for sk, gset in zip(scale, grams)]
+        merged = regmean_solution(mats, curvatures, weights, rcond)
         n_w = int(np.prod(np.shape(out[g0.weight])[1:]))
         out[g0.weight] = merged[:, :n_w].reshape(np.shape(out[g0.weight])).astype(out[g0.weight].dtype)
         if g0.bias is not None:

@@ -276,8 +276,7 @@ class RunRecorder:
         recorded as failed with the error, then the error is raised. A round during which the process
         was asked to stop (:mod:`fedfiot_flwr.server.stop_request`) may have lost replies to the
         shutdown: it is neither tested nor checkpointed (its merge report stays in the results), and
-        the run ends with
-        :class:`~fedfiot_flwr.server.stop_request.RunStopped`.
+        the run ends with :class:`~fedfiot_flwr.server.stop_request.RunStopped`.
         """
         watch_stop_signals()
         self.run_dir.mkdir(parents=True, exist_ok=True)
