@@ -99,7 +99,7 @@ def fedfiot_config(cfg: AppConfig) -> FedFiOTConfig:
     return FedFiOTConfig.named(
         cfg.preset, rho=cfg.rho, lam=cfg.lam, reference=cfg.reference_value(), fisher_scaling=cfg.fisher_scaling,
         max_iters=cfg.max_iters, matching=cfg.matching, aggregation=cfg.aggregation,
-        selection=cfg.fallback or base.selection, sweep=sweep,
+        selection=cfg.fallback or base.selection, sweep=sweep, curvature=cfg.curvature, gram_alpha=cfg.gram_alpha,
         fisher_rounds={-1: base.fisher_rounds, 0: None}.get(cfg.fisher_rounds, cfg.fisher_rounds),
     )
 

@@ -6,7 +6,7 @@ bit-identical models and permutations (``tests/test_algorithm_reference.py``). C
 "engine:" name a choice the paper leaves open, made here as the engine makes it.
 
 :func:`fedfiot_gram_merge` is the same alternation with a layer curvature in place of the diagonal
-Fisher: RegMean's input Gram (:class:`GramCurvature`), for Linear layers; both of its steps
+Fisher: RegMean's input Gram (:class:`GramCurvature`), for Linear and Conv2d layers; both of its steps
 minimise one objective, and without alignment it is RegMean.
 """
 
@@ -297,7 +297,8 @@ def fedfiot_gram_merge(
         J(W, \pi) = \sum_k \sum_l \mathrm{tr}\big((W_l - P_{kl} w_{kl} P_{k,l-1}^T)\, A_{kl}\,
         (W_l - P_{kl} w_{kl} P_{k,l-1}^T)^T\big),
 
-    :math:`w_{kl} = [W\ b]` of client k's Linear layer l and :math:`A_{kl}` its curvature
+    :math:`w_{kl} = [W\ b]` of client k's Linear or Conv2d layer l (a convolution's weight flattened to
+    ``(d_out, C_in k_h k_w)``, its Gram over the unfolded patches) and :math:`A_{kl}` its curvature
     (:class:`GramCurvature`) with rows and columns in the order of the group solved before. For a
     group, from the reference's layers, each step assigns (Hungarian) on
 
@@ -308,8 +309,9 @@ def fedfiot_gram_merge(
     aggregates in closed form, :math:`W_l = (\sum_k P_k w_{kl} A_{kl})(\sum_k A_{kl})^{-1}`
     (RegMean's: the solution closest to the size-weighted average when the sum is singular).
     Both steps minimise the group's terms of J exactly, so they never raise it (``steps``).
-    Tensors without a Gram (an input layer's sibling, buffers) are size-weighted averages after
-    their permutation, outside J; every tensor a group moves on axis 0 must be a Gram layer's.
+    Tensors without a Gram (buffers, BatchNorm parameters, layers without a Gram) are
+    size-weighted averages after their permutation, outside J; a group that no Gram layer's rows
+    cover keeps every unit in place.
     The identity rule compares the same J.
 
     Parameters
@@ -317,7 +319,7 @@ def fedfiot_gram_merge(
     weights : sequence of dict[str, np.ndarray]
         Per client, the model.
     grams : sequence of mapping of str to InputGram
-        Per client, ``{module: InputGram}`` of the same Linear layers
+        Per client, ``{module: InputGram}`` of the same Linear and Conv2d layers
         (:func:`fedfiot_flwr.curvature.input_grams`).
     num_examples : sequence of float
         Client sizes (the curvature's shares, ``"largest"``, the averages).
@@ -355,13 +357,18 @@ def fedfiot_gram_merge(
     perms: list[dict[str, np.ndarray]] = [{} for _ in weights]
     steps: dict[str, list[float]] = {}
     for group in spec.perm_names:
-        members = [l for l, g in layers.items() if spec.axes[g.weight][0] is not None
+        members = [l for l, g in layers.items() if spec.axes.get(g.weight, (None,))[0] is not None
                    and spec.axes[g.weight][0].perm == group]
+        if not members:  # no Gram layer's units: nothing to align them on
+            for pk in perms:
+                pk[group] = np.arange(spec.sizes({n: np.shape(t) for n, t in weights[0].items()})[group])
+            continue
         views = [[_gram_view(xk, layers[l], ak[l], spec, pk) for l in members] for xk, ak, pk in zip(x, a, perms)]
         if ref is not None:
             w = [m for m, _ in views[ref]]
         else:
-            w = [layer_matrix(np.asarray(reference[layers[l].weight], np.float64),  # type: ignore[index]
+            w = [layer_matrix(np.asarray(reference[layers[l].weight], np.float64).reshape(  # type: ignore[index]
+                              np.shape(reference[layers[l].weight])[0], -1),  # type: ignore[index]
                               None if layers[l].bias is None else np.asarray(reference[layers[l].bias], np.float64))
                  for l in members]
         pi = [np.arange(w[0].shape[0])] * len(weights)
@@ -394,12 +401,15 @@ def _scaled_gram(gram: np.ndarray, curvature: GramCurvature) -> np.ndarray:
     return (out + out.T) / 2.0
 
 
-def _input_index(entry: AxisPerm | None, done: Mapping[str, np.ndarray], d_in: int, bias: bool) -> np.ndarray:
-    """The order of a layer's inputs (and its bias input, last) after the solved groups."""
-    index = np.arange(d_in)
+def _input_index(entry: AxisPerm | None, done: Mapping[str, np.ndarray], shape: Sequence[int], bias: bool) -> np.ndarray:
+    """The order of a layer's inputs (and its bias input, last) after the solved groups: a weight
+    ``(d_out, n_in, *kernel)`` has ``n_in * prod(kernel)`` inputs, input channel major (``F.unfold``'s order)."""
+    taps = int(np.prod(shape[2:], dtype=np.int64))
+    channels = np.arange(shape[1])
     if entry is not None and entry.perm in done:
-        index = (done[entry.perm][:, None] * entry.block + np.arange(entry.block)).reshape(-1)
-    return np.concatenate([index, [d_in]]) if bias else index
+        channels = (done[entry.perm][:, None] * entry.block + np.arange(entry.block)).reshape(-1)
+    index = (channels[:, None] * taps + np.arange(taps)).reshape(-1)
+    return np.concatenate([index, [shape[1] * taps]]) if bias else index
 
 
 def _gram_view(xk: Model, g: InputGram, ak: np.ndarray, spec: PermutationSpec,
@@ -407,8 +417,8 @@ def _gram_view(xk: Model, g: InputGram, ak: np.ndarray, spec: PermutationSpec,
     """Client k's ``[W b]`` and curvature of layer ``g`` with the solved groups applied (rows too with ``rows``)."""
     weight = _permute(xk[g.weight], spec.axes[g.weight], done, rows=rows)
     bias = None if g.bias is None else _permute(xk[g.bias], spec.axes.get(g.bias, ()), done, rows=rows)
-    index = _input_index(spec.axes[g.weight][1], done, weight.shape[1], g.bias is not None)
-    return layer_matrix(weight, bias), ak[np.ix_(index, index)]
+    index = _input_index(spec.axes[g.weight][1], done, weight.shape, g.bias is not None)
+    return layer_matrix(weight.reshape(weight.shape[0], -1), bias), ak[np.ix_(index, index)]
 
 
 def _gram_cost(w: np.ndarray, m: np.ndarray, a: np.ndarray) -> np.ndarray:
@@ -462,16 +472,11 @@ def _check_grams(weights: Sequence[Model], grams: Sequence[Mapping[str, InputGra
             raise ValueError(f"client {k}: Gram layers {sorted(gk)} differ from client 0's {sorted(layers)}")
         for l, g in gk.items():
             w = np.asarray(weights[k].get(g.weight, np.empty(0)))
-            d = (w.shape[1] if w.ndim == 2 else -1) + (g.bias is not None)
+            d = (int(np.prod(w.shape[1:])) if w.ndim in (2, 4) else -1) + (g.bias is not None)
             gram = np.asarray(g.gram)
-            if (g.weight, g.bias) != (layers[l].weight, layers[l].bias) or w.ndim != 2 or gram.shape != (d, d):
-                raise ValueError(f"client {k}, Gram of {l!r}: needs a 2-D Linear weight {g.weight!r} and a "
+            if (g.weight, g.bias) != (layers[l].weight, layers[l].bias) or w.ndim not in (2, 4) or gram.shape != (d, d):
+                raise ValueError(f"client {k}, Gram of {l!r}: needs a Linear or Conv2d weight {g.weight!r} and a "
                                  f"({d}, {d}) Gram, got weight shape {w.shape} and Gram shape {gram.shape}")
             if not np.all(np.isfinite(gram)) or not np.allclose(gram, gram.T, rtol=1e-6, atol=0.0):
                 raise ValueError(f"client {k}, Gram of {l!r}: not finite or not symmetric")
-    covered = {t for g in layers.values() for t in (g.weight, g.bias) if t is not None}
-    for group in spec.perm_names:
-        missing = [n for n in spec.neuron_tensors(group) if n not in covered]
-        if missing:
-            raise ValueError(f"group {group!r} moves {missing} on axis 0, which no Gram layer covers")
     return layers

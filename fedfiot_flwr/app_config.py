@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fedfiot_flwr.options import (
     AGGREGATIONS,
     CLIENT_FISHER_KINDS,
+    CURVATURES,
+    DEFAULT_GRAM_ALPHA,
     DEFAULT_GRID_LAMS,
     DEFAULT_GRID_REFERENCES,
     DEFAULT_GRID_RHOS,
@@ -156,6 +158,8 @@ def rules() -> dict[str, Rule]:
         "matching": Rule(_one_of(MATCHINGS), lambda v: v in MATCHINGS),
         "aggregation": Rule(_one_of(AGGREGATIONS), lambda v: v in AGGREGATIONS),
         "fisher_scaling": Rule(_one_of(FISHER_SCALINGS), lambda v: v in FISHER_SCALINGS),
+        "curvature": Rule(_one_of(CURVATURES), lambda v: v in CURVATURES),
+        "gram_alpha": Rule("a number in [0, 1]", lambda v: 0 <= v <= 1),
         "preset": Rule(_one_of(PRESETS), lambda v: v in PRESETS),
         "fallback": Rule(_one_of(SELECTIONS) + ", or empty (the preset's)", lambda v: v == "" or v in SELECTIONS),
         "sweep": Rule("true or false", lambda v: isinstance(v, bool)),
@@ -283,6 +287,10 @@ class AppConfig:
         The merge: ``preset`` names :meth:`fedfiot_flwr.FedFiOTConfig.default` or ``.paper``; the
         other keys are that configuration's fields (``fallback`` is its ``selection``; empty: the
         preset's).
+    curvature, gram_alpha
+        :attr:`fedfiot_flwr.FedFiOTConfig.curvature` (``diagonal``: the clients' Fisher, the paper;
+        ``gram``: their layers' input Grams) and the Gram's off-diagonal scaling without validation
+        data (with it, the sweep tries ``FedFiOTConfig``'s grid of alphas).
     fisher_rounds
         :attr:`fedfiot_flwr.FedFiOTConfig.fisher_rounds`: -1 the preset's, 0 every round, ``n``
         rounds 1 to ``n`` with the Fisher and FedAvg afterwards.
@@ -343,6 +351,8 @@ class AppConfig:
     matching: str = "fisher"
     aggregation: str = "fisher"
     fisher_scaling: str = "none"
+    curvature: str = "diagonal"
+    gram_alpha: float = DEFAULT_GRAM_ALPHA
     preset: str = "default"
     fallback: str = ""
     fisher_rounds: int = -1

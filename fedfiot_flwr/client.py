@@ -31,7 +31,7 @@ from torch import nn
 
 from fedfiot_flwr.batches import resolve_device
 from fedfiot_flwr.fisher import FISHER_KINDS, diagonal_fisher
-from fedfiot_flwr.options import FISHER_CONFIG_KEY
+from fedfiot_flwr.options import CURVATURE_CONFIG_KEY, CURVATURES, FISHER_CONFIG_KEY
 from fedfiot_flwr.task import split_batch, train
 from fedfiot_flwr.wire import (  # re-exported: the client half of the wire format
     ARRAYS_RECORD,
@@ -94,9 +94,9 @@ class ClientRound:
         The model's ``state_dict()`` as packed, before quantization (float32 weights, integer
         buffers as they are), copied to the CPU.
     fisher : dict[str, np.ndarray]
-        The diagonal Fisher as packed, before quantization.
+        The diagonal Fisher as packed, before quantization (empty for a Gram reply).
     train_seconds, fisher_seconds : float
-        Wall time of local training (0 when the caller trained) and of the Fisher pass.
+        Wall time of local training (0 when the caller trained) and of the Fisher (or Gram) pass.
     """
 
     reply: RecordDict
@@ -115,15 +115,18 @@ def _fisher_round(
     device: torch.device | str | None,
     progress: bool | None,
     wanted: bool = True,
+    curvature: str = "diagonal",
 ) -> ClientRound:
-    """Diagonal Fisher of ``model`` over ``loader`` (skipped when not ``wanted``), then 16-bit packing
-    (see :func:`fisher_reply`)."""
+    """Diagonal Fisher of ``model`` over ``loader`` (skipped when not ``wanted``), then 16-bit packing; with
+    ``curvature="gram"`` the input Grams in its place, 8-bit low rank within FedAvg's bytes (see :func:`fisher_reply`)."""
     if fisher_kind not in FISHER_KINDS:
         raise ValueError(f"fisher_kind must be one of {FISHER_KINDS}, got {fisher_kind!r}")
     extra = dict(metrics or {})
     if NUM_EXAMPLES_KEY in extra:  # Flower's usual metrics dict already carries the size
         sent = extra.pop(NUM_EXAMPLES_KEY)
         num_examples = int(sent) if num_examples is None else num_examples
+    if wanted and curvature == "gram":
+        return _gram_round(model, loader, extra, num_examples, device)
     start = time.perf_counter()
     if wanted:
         fisher = diagonal_fisher(model, loader, fisher_kind, device=_device(device), progress=progress)
@@ -134,6 +137,27 @@ def _fisher_round(
     weights = {k: to_numpy(v).copy() for k, v in model.state_dict().items()}
     fisher_np = {k: to_numpy(v) for k, v in fisher.items()}
     return ClientRound(pack_reply(weights, fisher_np, n, extra), weights, fisher_np, 0.0, seconds)
+
+
+def _gram_round(model: nn.Module, loader: Iterable[Any], metrics: Mapping[str, float], num_examples: int | None,
+                device: torch.device | str | None) -> ClientRound:
+    """The input Grams of ``model``'s Linear and Conv2d layers over ``loader`` (one forward pass), packed."""
+    from fedfiot_flwr.curvature import input_grams
+
+    start = time.perf_counter()
+    grams = input_grams(model, loader, device=_device(device), convolutions=True)
+    seconds = time.perf_counter() - start
+    n = count_examples(loader) if num_examples is None else int(num_examples)
+    weights = {k: to_numpy(v).copy() for k, v in model.state_dict().items()}
+    return ClientRound(pack_gram_reply(weights, grams, n, rank="fedavg", metrics=metrics), weights, {}, 0.0, seconds)
+
+
+def _curvature_wanted(config: Mapping[str, Any] | None) -> str:
+    """The curvature a round's train config asks for (the diagonal Fisher unless it names another)."""
+    curvature = str((config or {}).get(CURVATURE_CONFIG_KEY, "diagonal"))
+    if curvature not in CURVATURES:
+        raise ValueError(f"the train config's {CURVATURE_CONFIG_KEY!r} is {curvature!r}; this client knows {CURVATURES}")
+    return curvature
 
 
 def fisher_reply(
@@ -172,14 +196,18 @@ def fisher_reply(
     config : mapping, optional
         The round's train config (``msg.content["config"]``). When the server says it will not use
         the Fisher this round (:data:`~fedfiot_flwr.options.FISHER_CONFIG_KEY` false, e.g. after
-        the default's Fisher rounds) the pass is skipped and only the 16-bit weights are sent.
+        the default's Fisher rounds) the pass is skipped and only the 16-bit weights are sent. When it
+        names the Gram curvature (:data:`~fedfiot_flwr.options.CURVATURE_CONFIG_KEY` ``"gram"``), the
+        reply carries the input Grams of the Linear and Conv2d layers in place of the Fisher (one
+        forward pass; 8-bit low rank, within FedAvg's float32 bytes).
 
     Returns
     -------
     RecordDict
         The reply content (see :mod:`fedfiot_flwr.wire`).
     """
-    return _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, False, _fisher_wanted(config)).reply
+    return _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, False, _fisher_wanted(config),
+                         _curvature_wanted(config)).reply
 
 
 def _fisher_wanted(config: Mapping[str, Any] | None) -> bool:
@@ -321,5 +349,6 @@ def train_round(
     metrics = train(model, trainloader, epochs, device=device, progress=progress, **train_kwargs)
     train_seconds = time.perf_counter() - start
     loader = trainloader if fisherloader is None else fisherloader
-    packed = _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, progress, _fisher_wanted(config))
+    packed = _fisher_round(model, loader, metrics, num_examples, fisher_kind, device, progress, _fisher_wanted(config),
+                           _curvature_wanted(config))
     return replace(packed, train_seconds=train_seconds)

@@ -28,8 +28,8 @@ it is exact.
 The factors are computed by ``curvlinops-for-pytorch``'s ``KFACLinearOperator``
 (``kfac_approx="expand"``, ``separate_weight_and_bias=False``, summed cross-entropy, then
 ``G`` divided by ``N``; curvlinops is the ``baselines`` extra, imported on first use).
-RegMean's Gram of a Linear layer's inputs is the same ``A`` factor, obtained from the forward
-pass alone (``fisher_type="forward-only"``).
+RegMean's Gram of a Linear layer's inputs (and FedFiOT's, of its Linear and Conv2d layers) is the
+same ``A`` factor, from the forward pass alone (:func:`fedfiot_flwr.grams.forward_grams`, no curvlinops).
 
 Uploads compress each symmetric PSD factor ``M`` (``n x n``) as ``M ~= L L^T`` with
 ``L = V_r diag(sqrt(lambda_r))`` from its top-``r`` eigenpairs, each column of ``L`` stored as
@@ -249,11 +249,14 @@ def input_grams(
     modules: Sequence[str] | None = None,
     device: torch.device | str | None = None,
     progress: bool = False,
+    convolutions: bool = False,
 ) -> dict[str, InputGram]:
-    """RegMean's Gram matrices ``E[x x^T]`` of every Linear layer's inputs.
+    """RegMean's Gram matrices ``E[x x^T]`` of every Linear layer's inputs (and Conv2d layer's patches).
 
     The Gram of a layer with a bias is augmented with an input of ones (last row/column:
-    the mean input and 1). Multiply by the client's example count to get ``X^T X``.
+    the mean input and 1). Multiply by the client's example count to get ``X^T X``. A
+    convolution's Gram is that of its unfolded input patches (``C_in k_h k_w``, ``F.unfold``'s
+    order), averaged over the examples and the output positions.
 
     Parameters
     ----------
@@ -262,11 +265,14 @@ def input_grams(
     dataloader : Iterable
         Yields ``(x, y)`` batches; one pass is the client's data (labels are unused).
     modules : sequence of str, optional
-        Linear module names to cover; default every Linear layer.
+        Module names to cover; default every Linear layer (and Conv2d layer with ``convolutions``).
     device : torch.device or str, optional
         Where to compute (default: the model's device).
     progress : bool
-        Show curvlinops' progress bar.
+        Unused (kept for compatibility): the pass is one forward pass per batch.
+    convolutions : bool
+        Also cover the Conv2d layers (``groups=1``): FedFiOT's Gram curvature; RegMean merges
+        Linear layers only.
 
     Returns
     -------
@@ -277,17 +283,16 @@ def input_grams(
     ------
     ValueError
         For an unknown or non-Linear module, a model without parameters or an empty loader.
-    ImportError
-        Without ``curvlinops-for-pytorch`` (``pip install 'fedfiot-flwr[baselines]'``).
     """
-    chosen = _select(model, modules, linear_only=True)
-    with gradient_mode(model, device, "curvature"):
-        a_cov, _, _ = _run_kfac(model, dataloader, chosen, "forward-only", progress, "RegMean's client Grams")
+    from fedfiot_flwr.grams import forward_grams
+
+    chosen = _select(model, modules, linear_only=not convolutions)
+    grams = forward_grams(model, dataloader, chosen, device)
     return {
         name: InputGram(
             weight=_key(name, "weight"),
             bias=_key(name, "bias") if module.bias is not None else None,
-            gram=_to_numpy(a_cov[name]),
+            gram=grams[name],
         )
         for name, module in chosen.items()
     }

@@ -22,10 +22,15 @@ __all__ = [
     "BACKENDS",
     "CLIENT_FISHER_KINDS",
     "COST_DTYPES",
+    "CURVATURES",
+    "CURVATURE_CONFIG_KEY",
+    "GRAM_SCALINGS",
     "DEFAULT_FISHER_ROUNDS",
     "DEFAULT_LAM",
     "DEFAULT_MAX_ITERS",
     "DEFAULT_RHO",
+    "DEFAULT_GRAM_ALPHA",
+    "DEFAULT_GRID_GRAM_ALPHAS",
     "DEFAULT_GRID_LAMS",
     "DEFAULT_GRID_REFERENCES",
     "DEFAULT_GRID_RHOS",
@@ -54,6 +59,11 @@ ModelView = Mapping[str, np.ndarray]
 """A model a function only reads (any mapping of ``state_dict`` names to arrays)."""
 
 # --- the merge -------------------------------------------------------------------------------
+CURVATURES = ("diagonal", "gram")
+"""The layer curvature both steps of the merge weigh with: the uploaded diagonal Fisher (the paper), or
+RegMean's input Gram of each Linear and Conv2d layer (``A_k ⊗ I``)."""
+GRAM_SCALINGS = ("size", "none")
+"""How a client's Gram is weighted: times its share of the examples (RegMean's), or as uploaded."""
 MATCHINGS = ("fisher", "euclidean", "none")
 """Alignment cost: Fisher-weighted (the paper), plain Euclidean, or no alignment."""
 AGGREGATIONS = ("fisher", "uniform", "size")
@@ -97,6 +107,9 @@ DEFAULT_FISHER_ROUNDS = 3
 """Rounds in which the default merges with the Fisher (then the size-weighted average, as FedAvg)."""
 FISHER_CONFIG_KEY = "fedfiot-fisher"
 """Train-config entry telling a client whether this round's server uses its Fisher (``False``: skip the pass)."""
+CURVATURE_CONFIG_KEY = "fedfiot-curvature"
+"""Train-config entry naming the curvature the server merges with (one of :data:`CURVATURES`; absent: the
+diagonal Fisher). ``"gram"``: the client sends its layers' input Grams in place of the Fisher."""
 
 
 def uses_fisher(server_round: int, fisher_rounds: int | None) -> bool:
@@ -117,6 +130,11 @@ def uses_fisher(server_round: int, fisher_rounds: int | None) -> bool:
 DEFAULT_GRID_RHOS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 DEFAULT_GRID_LAMS = (1e-3, 1e-4, 1e-5)
 DEFAULT_GRID_REFERENCES = ("largest", "broadcast")
+DEFAULT_GRID_GRAM_ALPHAS = (0.1, 0.5, 0.9, 1.0)
+"""The Gram curvature's off-diagonal scalings tried on validation data (RegMean's 0.1 and 0.9, and 0.5, 1)."""
+DEFAULT_GRAM_ALPHA = 0.9
+"""The Gram curvature's off-diagonal scaling without validation data (the value validation chose most often
+on digits' MLP, 100 local epochs, 3 seeds, both initialisations: research/results/gram_alignment.md)."""
 
 # --- curvature ------------------------------------------------------------------------------
 CLIENT_FISHER_KINDS = ("empirical", "true", "sampled")

@@ -178,6 +178,8 @@ CHILD = textwrap.dedent(
     attempt("train_round_auto_bar", lambda: train_round(model, loader, 1, device="cpu", progress=None))
     attempt("train_round_bar", lambda: train_round(model, loader, 1, device="cpu", progress=True))
     attempt("regmean", lambda: curvature_reply("regmean", model, loader, device="cpu"))
+    attempt("gram_reply", lambda: fisher_reply(model, loader, {"num-examples": 8}, device="cpu",
+                                               config={"fedfiot-curvature": "gram"}))
     attempt("kfac", lambda: curvature_reply("fedfisher-kfac", model, loader, device="cpu"))
 
     from fedfiot_flwr.data import dirichlet_class_split, load_dataset, save_partition_heatmap
@@ -217,7 +219,6 @@ def test_fisher_reply_runs_without_the_extras(blocked_run: dict) -> None:
 @pytest.mark.parametrize(
     ("key", "distribution", "extra"),
     [
-        ("regmean", "curvlinops-for-pytorch", "baselines"),
         ("kfac", "curvlinops-for-pytorch", "baselines"),
         ("train_round_bar", "tqdm", "progress"),
         ("digits", "scikit-learn", "data"),
@@ -231,8 +232,12 @@ def test_a_use_of_a_missing_extra_names_it(blocked_run: dict, key: str, distribu
 
 
 def test_curvature_messages_say_what_needs_curvlinops(blocked_run: dict) -> None:
-    assert "RegMean's client Grams" in blocked_run["regmean"]
     assert "FedFisher's K-FAC factors" in blocked_run["kfac"]
+
+
+def test_input_grams_need_no_extra(blocked_run: dict) -> None:
+    assert blocked_run["regmean"] == "ok"  # RegMean's Grams: one forward pass, no curvlinops
+    assert blocked_run["gram_reply"] == "ok"  # FedFiOT's Gram curvature likewise
 
 
 def test_launch_in_simulation_mode_without_ray_names_the_simulation_extra(

@@ -22,7 +22,8 @@ one closest (Frobenius) to the size-weighted average ``W_avg``:
 ``W* = W_avg + (R - W_avg S) S^+``, with ``S^+`` the pseudo-inverse (singular values below
 ``rcond`` times the largest are dropped). When ``S`` is invertible this is the unique
 solution. Every other tensor (convolutions, buffers, Linear layers without Grams) is the
-size-weighted average.
+size-weighted average. The merge is the engine's (:func:`fedfiot_flwr.merge.merge` with the Gram
+curvature, :mod:`fedfiot_flwr.merge.gram`, and no alignment).
 """
 
 from __future__ import annotations
@@ -32,17 +33,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import scipy.linalg
 
 from fedfiot_flwr.baselines.averaging import (
     check_clients,
     check_curvature_replies,
     check_square,
-    client_weights,
-    size_weighted_average,
 )
 from fedfiot_flwr.choose import BestSoFar
-from fedfiot_flwr.psd import InputGram, layer_matrix
+from fedfiot_flwr.merge.engine import merge
+from fedfiot_flwr.merge.gram import prepare_grams, regmean_solution, scale_off_diagonal
+from fedfiot_flwr.merge.options import MergeOptions
+from fedfiot_flwr.merge.spec import PermutationSpec
+from fedfiot_flwr.psd import InputGram
 from fedfiot_flwr.options import Model
 
 __all__ = ["REGMEAN_ALPHAS", "RegMeanResult", "regmean_merge", "regmean_select", "regmean_solution",
@@ -76,27 +78,6 @@ class RegMeanResult:
     scores: dict[float, float] = field(default_factory=dict)
     merged_layers: list[str] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def scale_off_diagonal(gram: np.ndarray, alpha: float) -> np.ndarray:
-    """``alpha * G + (1 - alpha) * diag(G)``: off-diagonal entries times ``alpha``."""
-    g = np.asarray(gram, dtype=np.float64)
-    out = alpha * g
-    out[np.diag_indices_from(out)] = np.diag(g)
-    return out
-
-
-def regmean_solution(mats: Sequence[np.ndarray], curvatures: Sequence[np.ndarray], shares: Sequence[float],
-                     rcond: float = 1e-10) -> np.ndarray:
-    """``W`` with ``W S = R``, ``S = sum_k A_k``, ``R = sum_k M_k A_k``: of all solutions, the one closest
-    to ``W_avg = sum_k shares_k M_k``, ``W_avg + (R - W_avg S) S^+`` (singular values of the
-    symmetrised ``S`` below ``rcond`` times the largest dropped)."""
-    s = sum(curvatures[1:], curvatures[0])
-    r = sum((m @ a for m, a in zip(mats[1:], curvatures[1:])), mats[0] @ curvatures[0])
-    w_avg = sum(c * m for c, m in zip(shares, mats))
-    s = (s + s.T) / 2.0
-    delta_t, *_ = scipy.linalg.lstsq(s, (r - w_avg @ s).T, cond=rcond)
-    return w_avg + delta_t.T
 
 
 def _check_grams(
@@ -169,21 +150,11 @@ def regmean_merge(
     ids = check_clients(models, num_examples, client_ids, checked=checked)
     if not (0.0 <= alpha <= 1.0):
         raise ValueError(f"regmean: alpha must lie in [0, 1], got {alpha!r}")
-    layers = _check_grams(ids, models, grams, checked)
-    weights = client_weights(num_examples, "size")
-    scale = np.asarray(num_examples, dtype=np.float64) if gram_scaling == "size" else client_weights(num_examples, gram_scaling)
-    out = size_weighted_average(models, num_examples)
-    for layer in layers:
-        g0 = grams[0][layer]
-        mats = [layer_matrix(m[g0.weight], None if g0.bias is None else m[g0.bias]).astype(np.float64) for m in models]
-        curvatures = [scale_off_diagonal(sk * np.asarray(gset[layer].gram, dtype=np.float64), alpha)
-                      for sk, gset in zip(scale, grams)]
-        merged = regmean_solution(mats, curvatures, weights, rcond)
-        n_w = int(np.prod(np.shape(out[g0.weight])[1:]))
-        out[g0.weight] = merged[:, :n_w].reshape(np.shape(out[g0.weight])).astype(out[g0.weight].dtype)
-        if g0.bias is not None:
-            out[g0.bias] = merged[:, n_w].astype(out[g0.bias].dtype)
-    return out
+    _check_grams(ids, models, grams, checked)
+    prepared = prepare_grams(models, grams, num_examples=num_examples, client_ids=ids, checked=True)
+    options = MergeOptions(curvature="gram", matching="none", gram_alpha=float(alpha), gram_scaling=gram_scaling,
+                           gram_rcond=float(rcond))
+    return merge(prepared, None, PermutationSpec({}), options).model
 
 
 def regmean_select(

@@ -108,6 +108,15 @@ def aggregate(
     return out
 
 
+def objective_from_moments(value: np.ndarray, num: np.ndarray, den: np.ndarray, const: float) -> float:
+    """``sum_k sum f_k (value - x_k)**2`` expanded, ``const + <den * value - 2 num, value>``.
+
+    >>> objective_from_moments(np.array([1.]), np.array([4.]), np.array([2.]), 10.0)
+    4.0
+    """
+    return max(0.0, const + float(np.vdot(den * value - 2.0 * num, value)))
+
+
 ClientLoader = Callable[[int], tuple[np.ndarray, np.ndarray]]
 
 
@@ -280,6 +289,18 @@ class ClientLayers:
                     if scale != 1.0:
                         block = block.astype(np.float64) * scale
                     yield block + const[None, :]
+
+    def costs(self, w: np.ndarray, skip: Collection[int] = ()) -> Iterator[np.ndarray | None]:
+        """The curvature protocol's costs: :meth:`fisher_costs`."""
+        return self.fisher_costs(w, skip)
+
+    def solve(self, perms: Sequence[np.ndarray], num: np.ndarray, den: np.ndarray) -> np.ndarray:
+        """The Fisher-weighted layer of the aligned clients, ``num / den`` (from :meth:`moments`)."""
+        return num / den
+
+    def objective(self, value: np.ndarray, num: np.ndarray, den: np.ndarray) -> float:
+        """``sum_k sum f_k (value - x_k)**2`` from the moments: one pass instead of K."""
+        return objective_from_moments(value, num, den, self.const)
 
     def euclidean_costs(self, w: np.ndarray) -> Iterator[np.ndarray]:
         """:func:`euclidean_cost_matrix` of every client against ``w``, yielded one by one."""

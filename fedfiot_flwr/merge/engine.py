@@ -30,7 +30,9 @@ from fedfiot_flwr.options import ModelView as Model
 
 from .backend import get_backend
 from .certify import assign_with_hint
-from .costs import ClientLayers
+from .costs import ClientLayers, objective_from_moments
+from .gram import GramLayers, PreparedGrams, group_members, layer_view, merge_with_grams, prepare_grams
+from fedfiot_flwr.psd import layer_matrix
 from .dtypes import cast_average
 from .lap import assign
 from .parallel import lap_workers, solve_in_order
@@ -249,7 +251,7 @@ def _align_permutation(
 
         def global_layer(perms: list[np.ndarray], num: np.ndarray, den: np.ndarray) -> np.ndarray:
             if aggregation == "fisher":
-                return num / den
+                return clients.solve(perms, num, den)
             return clients.average(perms, sizes if aggregation == "size" else None)
 
         if start is not None:
@@ -259,21 +261,21 @@ def _align_permutation(
             report.iterations = s
             skip: set[int] = set()
             if (speed.certify and s == 1 and start is None and ref_client is not None and matching == "fisher"
-                    and _distinct_rows(ref_layer)):
+                    and isinstance(clients, ClientLayers) and _distinct_rows(ref_layer)):
                 skip = {ref_client}
             if matching == "fisher":
-                new, chosen, diagonal = _fisher_step(solve_in_order(clients.fisher_costs(w, skip), current, solve,
+                new, chosen, diagonal = _fisher_step(solve_in_order(clients.costs(w, skip), current, solve,
                                                                     pool, workers), identity)
                 if s == 1:  # J(w[0], I): the identity alignments' costs
                     report.initial_objective = diagonal
             else:
                 if s == 1:
-                    report.initial_objective = _objective_from_moments(w, *clients.moments(current), clients.const)
+                    report.initial_objective = clients.objective(w, *clients.moments(current))
                 new = [p for _, p in solve_in_order(clients.euclidean_costs(w), current, solve, pool, workers)]
             unchanged = (s > 1 or start is not None) and all(np.array_equal(a, b) for a, b in zip(new, current))
             if matching != "fisher" and unchanged:
-                chosen = report.objectives[-1] if report.objectives else _objective_from_moments(
-                    w, *clients.moments(current), clients.const)
+                chosen = report.objectives[-1] if report.objectives else clients.objective(
+                    w, *clients.moments(current))
             if unchanged:
                 report.alignment_objectives.append(chosen)
                 report.objectives.append(chosen)
@@ -281,11 +283,11 @@ def _align_permutation(
             current = new
             num, den = clients.moments(new)
             if matching != "fisher":
-                report.alignment_objectives.append(_objective_from_moments(w, num, den, clients.const))
+                report.alignment_objectives.append(clients.objective(w, num, den))
             else:
                 report.alignment_objectives.append(chosen)
             w = global_layer(new, num, den)
-            report.objectives.append(_objective_from_moments(w, num, den, clients.const))
+            report.objectives.append(clients.objective(w, num, den))
             if s == 1 and use_memo:
                 first_key = (*memo_key, permutations_digest(new))  # type: ignore[misc]
                 tail = memo.get(first_key)  # type: ignore[union-attr]
@@ -331,11 +333,6 @@ def _distinct_rows(layer: np.ndarray) -> bool:
     return len(np.unique(layer[rows], axis=0)) == len(rows)
 
 
-def _objective_from_moments(value: np.ndarray, num: np.ndarray, den: np.ndarray, const: float) -> float:
-    """``sum_k sum f_k (value - x_k)**2`` expanded: one pass instead of K."""
-    return max(0.0, const + float(np.vdot(den * value - 2.0 * num, value)))
-
-
 def _merge_all(
     models: Sequence[Model],
     fishers: Sequence[Model],
@@ -375,7 +372,7 @@ def _merge_all(
                 average = np.asarray(term) if average is None else np.add(average, term, out=average)
         if has_fisher:
             value = num / den if aggregation == "fisher" else average
-            objective += _objective_from_moments(value, num, den, const)
+            objective += objective_from_moments(value, num, den, const)
         else:
             value = average  # buffers: by size (uniform when unknown)
         merged[name] = cast_average(value, dtypes[name])
@@ -412,7 +409,11 @@ def merge(
         validation, tempering per ``(fisher_scaling, rho)`` and identity merges are then shared.
     fishers : sequence of dict[str, np.ndarray], or None
         Raw (undamped, untempered) diagonal Fisher per client, same keys and shapes as the
-        models; None with PreparedClients.
+        models; None with PreparedClients. With ``options.curvature="gram"``: per client, the
+        input Grams ``{module: InputGram}`` of its Linear and Conv2d layers
+        (:func:`fedfiot_flwr.curvature.input_grams`; the objective is then
+        :mod:`fedfiot_flwr.merge.gram`'s, ``num_examples`` is required), or None with
+        :func:`~fedfiot_flwr.merge.gram.prepare_grams`'s result as ``models``.
     spec : PermutationSpec
         Which axes of which tensors each hidden-unit permutation moves.
     options : MergeOptions, optional
@@ -457,7 +458,7 @@ def merge(
     start = time.perf_counter()
     options = _instance(MergeOptions() if options is None else options, MergeOptions, "options")
     speed = _instance(MergeSpeed() if speed is None else speed, MergeSpeed, "speed")
-    clients = _prepared(models, fishers, num_examples)
+    clients = _prepared(models, fishers, num_examples, options.curvature)
     if options.aggregation == "size" and clients.num_examples is None:
         raise ValueError("aggregation='size' needs num_examples")
     sizes_per_perm = spec.sizes(clients.shapes)
@@ -500,15 +501,34 @@ def _instance(value: Any, kind: type, name: str) -> Any:
 
 
 def _prepared(
-    models: Sequence[Model] | PreparedClients, fishers: Sequence[Model] | None, num_examples: Sequence[int] | None
-) -> PreparedClients:
-    """The uploads as :class:`PreparedClients`: already prepared, or checked now for this one merge.
+    models: Sequence[Model] | PreparedClients | PreparedGrams,
+    fishers: Sequence[Model] | None,
+    num_examples: Sequence[int] | None,
+    curvature: str = "diagonal",
+) -> PreparedClients | PreparedGrams:
+    """The uploads as :class:`PreparedClients` (or, for the Gram curvature, :class:`PreparedGrams`):
+    already prepared, or checked now for this one merge.
 
     A one-off merge tempers each tensor when it reads it (no cache: peak memory stays near the
     per-layer stack); a sweep prepares once and caches the tempered Fishers.
     """
-    clients = as_prepared(models, fishers, num_examples=num_examples, cache_bytes=0)
-    if isinstance(models, PreparedClients) and num_examples is not None and list(num_examples) != clients.num_examples:
+    if curvature == "gram":
+        if isinstance(models, PreparedClients):
+            raise ValueError("curvature='gram' needs the clients' input Grams (PreparedGrams or a list of "
+                             "{module: InputGram} per client), not PreparedClients")
+        if isinstance(models, PreparedGrams):
+            if fishers is not None:
+                raise ValueError("pass fishers=None with PreparedGrams: the Grams are already in it")
+            clients: PreparedClients | PreparedGrams = models
+        else:
+            if fishers is None:
+                raise ValueError("curvature='gram' needs the clients' input Grams (one {module: InputGram} per client)")
+            clients = prepare_grams(models, fishers, num_examples=num_examples)  # type: ignore[arg-type]
+    elif isinstance(models, PreparedGrams):
+        raise ValueError("PreparedGrams holds input Grams: merge it with MergeOptions(curvature='gram')")
+    else:
+        clients = as_prepared(models, fishers, num_examples=num_examples, cache_bytes=0)
+    if isinstance(models, (PreparedClients, PreparedGrams)) and num_examples is not None and list(num_examples) != clients.num_examples:
         raise ValueError("num_examples differs from the one given to prepare_clients")
     return clients
 
@@ -525,8 +545,6 @@ def _align_all(
     """Every client's alignment, permutation by permutation in the spec's order (Algorithm 1's
     outer loop), each solved with the incoming axes aligned by the permutations decided before."""
     n_clients = len(clients)
-    array_backend = get_backend(speed.backend, speed.device)
-    xs, fs = clients.models, clients.damped(options.fisher_scaling, options.rho, options.lam)
     if options.matching == "none":  # no alignment: identity everywhere, nothing to iterate
         return ([{p: np.arange(sizes_per_perm[p]) for p in spec.perm_names} for _ in range(n_clients)],
                 {p: PermutationReport(sizes_per_perm[p], 0, float("nan"), fraction_permuted=[0.0] * n_clients)
@@ -535,34 +553,87 @@ def _align_all(
     perms: list[dict[str, np.ndarray]] = [{} for _ in range(n_clients)]
     reports: dict[str, PermutationReport] = {}
     for perm in spec.perm_names:
-        names = [n for n in spec.neuron_tensors(perm) if n in fs[0]]
         m = sizes_per_perm[perm]
-        if ref_index is None:
-            ref_layer = _layer_matrix([np.asarray(options.reference[n], dtype=np.float64)  # type: ignore[index]
-                                       for n in names], m)
+        if isinstance(clients, PreparedGrams):
+            layer, ref_layer = _gram_group(clients, spec, perm, perms, ref_index, options)
+            memo, memo_key = None, None
         else:
-            ref_layer = _layer_matrix([_as_float64(permute_tensor(xs[ref_index][n], spec.axes[n], perms[ref_index], (0,)))
-                                       for n in names], m)
-        keep_layers = options.matching == "euclidean" or options.aggregation != "fisher"
-        layer = ClientLayers(
-            _layer_loader(xs, fs, perms, spec, names, m), n_clients, keep_layers=keep_layers,
-            stack=_stack_bytes(m, ref_layer.shape[1], n_clients, options.matching, options.aggregation,
-                               speed.cost_dtype) <= speed.stack_bytes,
-            cost_dtype=speed.cost_dtype, backend=array_backend,
-        )
-        memo_key = (options.fisher_scaling, float(options.rho), float(options.lam), options.matching,
-                    options.aggregation, options.max_iters, speed.lap_solver, speed.certify, speed.cost_dtype,
-                    array_backend.name, str(array_backend.device), layer.stacked, perm, permutations_digest(perms))
-        found, reports[perm] = _align_permutation(
-            m, layer, ref_layer,
-            options=options, sizes=sizes, speed=speed,
-            ref_client=ref_index, start=None if initial_perms is None else initial_perms.get(perm),
-            memo=clients.alignments, memo_key=memo_key,
-        )
+            layer, ref_layer, memo_key = _diagonal_group(clients, spec, perm, m, perms, ref_index, options, speed)
+            memo = clients.alignments
+        if layer is None:  # no curvature covers this group's units: they stay in place
+            found = [np.arange(m)] * n_clients
+            reports[perm] = PermutationReport(m, 0, float("nan"), fraction_permuted=[0.0] * n_clients)
+        else:
+            found, reports[perm] = _align_permutation(
+                m, layer, ref_layer,
+                options=options, sizes=sizes, speed=speed,
+                ref_client=ref_index, start=None if initial_perms is None else initial_perms.get(perm),
+                memo=memo, memo_key=memo_key,
+            )
         del layer
         for pk, p in zip(perms, found):
             pk[perm] = p
     return perms, reports
+
+
+def _diagonal_group(
+    clients: PreparedClients,
+    spec: PermutationSpec,
+    perm: str,
+    m: int,
+    perms: Sequence[Mapping[str, np.ndarray]],
+    ref_index: int | None,
+    options: MergeOptions,
+    speed: MergeSpeed,
+) -> tuple[ClientLayers, np.ndarray, tuple]:
+    """One permutation's diagonal-Fisher client layers, the reference layer and the alignment memo's key."""
+    xs, fs = clients.models, clients.damped(options.fisher_scaling, options.rho, options.lam)
+    names = [n for n in spec.neuron_tensors(perm) if n in fs[0]]
+    if ref_index is None:
+        ref_layer = _layer_matrix([np.asarray(options.reference[n], dtype=np.float64)  # type: ignore[index]
+                                   for n in names], m)
+    else:
+        ref_layer = _layer_matrix([_as_float64(permute_tensor(xs[ref_index][n], spec.axes[n], perms[ref_index], (0,)))
+                                   for n in names], m)
+    array_backend = get_backend(speed.backend, speed.device)
+    keep_layers = options.matching == "euclidean" or options.aggregation != "fisher"
+    layer = ClientLayers(
+        _layer_loader(xs, fs, perms, spec, names, m), len(clients), keep_layers=keep_layers,
+        stack=_stack_bytes(m, ref_layer.shape[1], len(clients), options.matching, options.aggregation,
+                           speed.cost_dtype) <= speed.stack_bytes,
+        cost_dtype=speed.cost_dtype, backend=array_backend,
+    )
+    memo_key = (options.fisher_scaling, float(options.rho), float(options.lam), options.matching,
+                options.aggregation, options.max_iters, speed.lap_solver, speed.certify, speed.cost_dtype,
+                array_backend.name, str(array_backend.device), layer.stacked, perm, permutations_digest(perms))
+    return layer, ref_layer, memo_key
+
+
+def _gram_group(
+    clients: PreparedGrams,
+    spec: PermutationSpec,
+    perm: str,
+    perms: Sequence[Mapping[str, np.ndarray]],
+    ref_index: int | None,
+    options: MergeOptions,
+) -> tuple[GramLayers | None, list[np.ndarray] | None]:
+    """One permutation's Gram layers and the reference's member layers (None when no Gram layer's rows move)."""
+    members = group_members(clients, spec, perm)
+    if not members:
+        return None, None
+    curvatures = clients.curvatures(options.gram_alpha, options.gram_ridge, options.gram_scaling)
+    views = [[layer_view(clients, k, l, curvatures[k][l], spec, pk, rows=False) for l in members]
+             for k, pk in enumerate(perms)]
+    if ref_index is not None:
+        ref_layer = [m for m, _ in views[ref_index]]
+    else:
+        ref_layer = []
+        for l in members:
+            g = clients.layers[l]
+            weight = np.asarray(options.reference[g.weight], dtype=np.float64)  # type: ignore[index]
+            bias = None if g.bias is None else np.asarray(options.reference[g.bias], dtype=np.float64)  # type: ignore[index]
+            ref_layer.append(layer_matrix(weight.reshape(weight.shape[0], -1), bias))
+    return GramLayers(views, clients.shares, options.gram_rcond), ref_layer
 
 
 def _candidates(
@@ -577,6 +648,8 @@ def _candidates(
     Each merge is computed once per prepared uploads: the identity merge does not depend on the
     reference, and another candidate of a sweep may have found the same alignment.
     """
+    if isinstance(clients, PreparedGrams):
+        return _gram_candidates(clients, spec, perms, options)
     identity_key = (options.fisher_scaling, float(options.rho), float(options.lam), options.aggregation)
     fs = clients.damped(options.fisher_scaling, options.rho, options.lam)
     sizes = None if clients.num_examples is None else [float(n) for n in clients.num_examples]
@@ -598,3 +671,30 @@ def _candidates(
         clients.aligned_merges.put(aligned_key, cached)
     kept = options.fallback == "none" or alignment_kept(cached[1], identity_objective)
     return identity, (dict(cached[0]), cached[1]), kept
+
+
+def _gram_candidates(
+    clients: PreparedGrams,
+    spec: PermutationSpec,
+    perms: Sequence[Mapping[str, np.ndarray]],
+    options: MergeOptions,
+) -> tuple[tuple[dict[str, np.ndarray], float], tuple[dict[str, np.ndarray], float], bool]:
+    """:func:`_candidates` for the Gram curvature: both merges in closed form, compared on the same J."""
+    knobs = (float(options.gram_alpha), float(options.gram_ridge), options.gram_scaling)
+    curvatures = clients.curvatures(*knobs)
+    key = (*knobs, float(options.gram_rcond))
+    if key not in clients.identity_merges:
+        clients.identity_merges[key] = merge_with_grams(clients, spec, [{} for _ in range(len(clients))],
+                                                        curvatures, options.gram_rcond)[:2]
+    identity_model, identity_objective = clients.identity_merges[key]
+    identity = (dict(identity_model), identity_objective)
+    if options.matching == "none":
+        return identity, identity, False
+    if all(np.array_equal(pk[p], np.arange(len(pk[p]))) for pk in perms for p in pk):
+        return identity, (dict(identity_model), identity_objective), True
+    aligned_key = (*key, permutations_digest(perms))
+    if aligned_key not in clients.aligned_merges:
+        clients.aligned_merges = {aligned_key: merge_with_grams(clients, spec, perms, curvatures, options.gram_rcond)[:2]}
+    model, objective = clients.aligned_merges[aligned_key]
+    kept = options.fallback == "none" or alignment_kept(objective, identity_objective)
+    return identity, (dict(model), objective), kept

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from numbers import Real
 
 import numpy as np
 
-from fedfiot_flwr.options import DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, FISHER_SCALINGS
+from fedfiot_flwr.options import CURVATURES, DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, FISHER_SCALINGS, GRAM_SCALINGS
 
 from .validate import check_options
 
@@ -41,6 +42,20 @@ class MergeOptions:
         ``"objective"``: the paper's identity rule; ``"none"``: always keep the aligned merge.
     fisher_scaling : {"none", "size", "normalized", "normalized-size"}
         Per-client rescaling of the raw Fisher before tempering (``"none"``: the paper).
+    curvature : {"diagonal", "gram"}
+        The layer curvature of the objective: the diagonal Fisher (tempered and damped with ``rho``
+        and ``lam``; the paper), or the clients' input Grams (:mod:`fedfiot_flwr.merge.gram`; then
+        ``matching`` is ``"fisher"`` (the curvature-weighted cost) or ``"none"``, ``aggregation`` is
+        ``"fisher"``, and ``rho``, ``lam`` and ``fisher_scaling`` are not used).
+    gram_alpha : float
+        The Gram's off-diagonal scaling in ``[0, 1]`` (RegMean's alpha; 1: the least-squares fit).
+    gram_ridge : float
+        Relative ridge ``>= 0`` added to the Gram's diagonal, times its mean diagonal entry.
+    gram_scaling : {"size", "none"}
+        A client's Gram times its share of the examples (RegMean's), or as uploaded.
+    gram_rcond : float
+        Relative cut-off of the pseudo-inverse of a layer's summed Grams (singular sums are
+        solved as RegMean solves them: the solution nearest the size-weighted average).
 
     Examples
     --------
@@ -60,8 +75,26 @@ class MergeOptions:
     aggregation: str = "fisher"
     fallback: str = "objective"
     fisher_scaling: str = "none"
+    curvature: str = "diagonal"
+    gram_alpha: float = 1.0
+    gram_ridge: float = 0.0
+    gram_scaling: str = "size"
+    gram_rcond: float = 1e-10
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, self.fallback)
         if self.fisher_scaling not in FISHER_SCALINGS:
             raise ValueError(f"fisher_scaling must be one of {FISHER_SCALINGS}, got {self.fisher_scaling!r}")
+        if self.curvature not in CURVATURES:
+            raise ValueError(f"curvature must be one of {CURVATURES}, got {self.curvature!r}")
+        if not (isinstance(self.gram_alpha, Real) and 0.0 <= self.gram_alpha <= 1.0):
+            raise ValueError(f"gram_alpha must lie in [0, 1], got {self.gram_alpha!r}")
+        if not (isinstance(self.gram_ridge, Real) and 0.0 <= self.gram_ridge < float("inf")):
+            raise ValueError(f"gram_ridge must be a finite number >= 0, got {self.gram_ridge!r}")
+        if not (isinstance(self.gram_rcond, Real) and 0.0 <= self.gram_rcond < 1.0):
+            raise ValueError(f"gram_rcond must lie in [0, 1), got {self.gram_rcond!r}")
+        if self.gram_scaling not in GRAM_SCALINGS:
+            raise ValueError(f"gram_scaling must be one of {GRAM_SCALINGS}, got {self.gram_scaling!r}")
+        if self.curvature == "gram" and (self.matching == "euclidean" or self.aggregation != "fisher"):
+            raise ValueError("the Gram curvature weighs both steps: matching must be 'fisher' or 'none' and "
+                             f"aggregation 'fisher', got matching={self.matching!r}, aggregation={self.aggregation!r}")

@@ -32,7 +32,7 @@ from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome, ValidateFn
 from fedfiot_flwr.server.selection import sweep_candidates
 from fedfiot_flwr.server.uploads import CollectedUploads
 from fedfiot_flwr.baselines.fedfisher_options import FedFisherOptions
-from fedfiot_flwr.options import Model, uses_fisher
+from fedfiot_flwr.options import CURVATURE_CONFIG_KEY, FISHER_CONFIG_KEY, Model, uses_fisher
 
 __all__ = [
     "Aggregator",
@@ -103,7 +103,6 @@ class FedFiOTAggregator:
     """
 
     label = "FedFiOT"
-    reply_kind = "fisher"
     fisher_kind: str | None = None
 
     def __init__(self, spec: PermutationSpec, config: FedFiOTConfig) -> None:
@@ -114,6 +113,7 @@ class FedFiOTAggregator:
                             f"got {type(config).__name__}")
         self.spec = spec
         self.settings = config
+        self.reply_kind = "gram" if config.curvature == "gram" else "fisher"
         self._told_close = False
 
     def config(self) -> dict[str, Any]:
@@ -130,8 +130,12 @@ class FedFiOTAggregator:
         return fisher_bound_for(self.settings.fisher_cap)
 
     def wants_fisher(self, server_round: int) -> bool:
-        """Whether round ``server_round`` merges with the clients' Fisher (``fisher_rounds``)."""
+        """Whether round ``server_round`` merges with the clients' curvature (``fisher_rounds``)."""
         return uses_fisher(server_round, self.settings.fisher_rounds)
+
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """What the round's train config tells the clients: whether to send a curvature, and which."""
+        return {FISHER_CONFIG_KEY: bool(self.wants_fisher(server_round)), CURVATURE_CONFIG_KEY: self.settings.curvature}
 
     def aggregate(self, uploads: CollectedUploads, context: RoundContext) -> RoundOutcome:
         """The candidate sweep with this configuration (:func:`~fedfiot_flwr.server.selection.sweep_candidates`):

@@ -28,11 +28,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from fedfiot_flwr.merge import FISHER_SCALINGS, MergeSpeed
+from fedfiot_flwr.merge import FISHER_SCALINGS, MergeOptions, MergeSpeed
 from fedfiot_flwr.merge.robust import DEFAULT_FISHER_CAP, DEFAULT_FISHER_CAP_RULE
 from fedfiot_flwr.merge.validate import check_options
 from fedfiot_flwr.options import (
     DEFAULT_FISHER_ROUNDS,
+    DEFAULT_GRAM_ALPHA,
     DEFAULT_LAM,
     DEFAULT_MAX_ITERS,
     DEFAULT_RHO,
@@ -120,6 +121,18 @@ class FedFiOTConfig:
         When the validation function offers ``validate_bounded`` (the one of
         :func:`fedfiot_flwr.validation.make_validate_fn` does), stop scoring a candidate as soon
         as it provably cannot beat the best fully scored one. Exact: the same choice and metrics.
+    curvature : {"diagonal", "gram"}
+        The layer curvature both steps weigh with (:data:`fedfiot_flwr.options.CURVATURES`):
+        the clients' diagonal Fisher (the paper), or their layers' input Grams
+        (:mod:`fedfiot_flwr.merge.gram`). With ``"gram"`` the train config asks the clients for
+        Grams (:data:`~fedfiot_flwr.options.CURVATURE_CONFIG_KEY`), ``rho``, ``lam`` and
+        ``fisher_scaling`` are not used, the sweep tries ``sweep.gram_alphas`` and the
+        references, and ``fisher_cap`` caps a client's Gram of a layer at that factor times the
+        other clients' median (:func:`~fedfiot_flwr.merge.gram.cap_grams`).
+    gram_alpha : float
+        The Gram's off-diagonal scaling in [0, 1] without validation data (RegMean's alpha).
+    gram_ridge : float
+        Relative ridge added to every Gram's diagonal (times its mean diagonal entry).
     """
 
     name: str = "custom"
@@ -145,6 +158,9 @@ class FedFiOTConfig:
     warm_start: bool = False
     race: bool = True
     fisher_rounds: int | None = None
+    curvature: str = "diagonal"
+    gram_alpha: float = DEFAULT_GRAM_ALPHA
+    gram_ridge: float = 0.0
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
@@ -164,6 +180,8 @@ class FedFiOTConfig:
         if self.fisher_rounds is not None and (isinstance(self.fisher_rounds, bool)
                                                or not isinstance(self.fisher_rounds, int) or self.fisher_rounds < 1):
             raise ValueError(f"fisher_rounds must be an integer >= 1, or None for every round, got {self.fisher_rounds!r}")
+        MergeOptions(curvature=self.curvature, gram_alpha=self.gram_alpha, gram_ridge=self.gram_ridge,
+                     matching=self.matching, aggregation=self.aggregation)  # validates the curvature's options
         for name in ("warm_start", "race"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -171,7 +189,8 @@ class FedFiOTConfig:
     @property
     def candidate(self) -> Candidate:
         """This configuration's own ``(rho, lam, reference, fisher_scaling)``: the merge without a sweep."""
-        return Candidate(float(self.rho), float(self.lam), self.reference, self.fisher_scaling)
+        alpha = float(self.gram_alpha) if self.curvature == "gram" else None
+        return Candidate(float(self.rho), float(self.lam), self.reference, self.fisher_scaling, alpha)
 
     @property
     def speed(self) -> MergeSpeed:
@@ -225,10 +244,16 @@ class FedFiOTConfig:
                 "none": "always the aligned merge"}[cfg.selection]
         then = ("" if cfg.fisher_rounds is None else
                 f"; from round {cfg.fisher_rounds + 1} on, the size-weighted average (FedAvg) without the clients' Fisher pass")
+        gram = cfg.curvature == "gram"
         if cfg.sweep is None or not has_validation:
-            knobs = f"rho={cfg.rho:g}, lam={cfg.lam:g}, reference={cfg.reference}"
+            knobs = (f"the clients' input Grams (alpha={cfg.gram_alpha:g}), reference={cfg.reference}" if gram else
+                     f"rho={cfg.rho:g}, lam={cfg.lam:g}, reference={cfg.reference}")
             return f"FedFiOT merge ({self.name}) with {knobs} and {rule}{then}"
         g = cfg.sweep
+        if gram:
+            size = len(g.references) * len(g.gram_alphas)
+            return (f"FedFiOT merge ({self.name}) with the clients' input Grams: up to {size} knob settings "
+                    f"(alpha, reference) and {rule}{then}")
         size = len(g.rhos) * len(g.lams) * len(g.references) * len(g.fisher_scalings)
         first = len(g.candidates(None, 1, cfg.broadcast_in_round_one))
         round_one = f" ({first} in round 1, without the broadcast reference)" if first != size else ""

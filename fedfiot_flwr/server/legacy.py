@@ -29,7 +29,6 @@ from flwr.server.strategy import FedAvg
 from flwr.supercore import log
 
 from fedfiot_flwr.merge import PermutationSpec
-from fedfiot_flwr.options import FISHER_CONFIG_KEY
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.legacy_envelope import fitres_to_reply, ndarrays_to_reply, reply_to_ndarrays
 from fedfiot_flwr.server.rounds import RoundMerger
@@ -126,11 +125,12 @@ class FedFiOTLegacy(FedAvg):
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
-        """Remember the broadcast model, sample clients as FedAvg does, and tell them whether the round uses their Fisher."""
+        """Remember the broadcast model, sample clients as FedAvg does, and tell them whether the round uses their
+        curvature and which (:meth:`~fedfiot_flwr.server.aggregators.FedFiOTAggregator.train_config`)."""
         self._broadcast = self._to_dict(parameters_to_ndarrays(parameters))
         instructions = super().configure_fit(server_round, parameters, client_manager)
-        wants = self.merger.aggregator.wants_fisher(server_round)
-        return [(proxy, FitIns(ins.parameters, {**ins.config, FISHER_CONFIG_KEY: wants})) for proxy, ins in instructions]
+        extra = self.merger.aggregator.train_config(server_round)
+        return [(proxy, FitIns(ins.parameters, {**ins.config, **extra})) for proxy, ins in instructions]
 
     def aggregate_fit(
         self,

@@ -30,8 +30,10 @@ from fedfiot_flwr.merge import (
     merge,
     prepare_clients,
 )
+from fedfiot_flwr.merge.gram import PreparedGrams, cap_grams, prepare_grams
 from fedfiot_flwr.merge.robust import cap_fishers_explained, describe_outliers
 from fedfiot_flwr.options import (
+    DEFAULT_GRID_GRAM_ALPHAS,
     DEFAULT_GRID_LAMS,
     DEFAULT_GRID_REFERENCES,
     DEFAULT_GRID_RHOS,
@@ -66,12 +68,16 @@ class Candidate:
         Per-client Fisher scaling of the merge engine (:data:`fedfiot_flwr.merge.FISHER_SCALINGS`):
         ``"none"`` (the paper's per-example mean Fisher), ``"size"`` (times ``n_k / n``,
         FedFisher's scaling), ``"normalized"``, ``"normalized-size"``.
+    gram_alpha : float or None
+        The Gram curvature's off-diagonal scaling (``None``: a diagonal-Fisher candidate, which
+        ``rho``, ``lam`` and ``fisher_scaling`` describe).
     """
 
     rho: float
     lam: float
     reference: str | int = "largest"
     fisher_scaling: str = "none"
+    gram_alpha: float | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.reference, int) or self.reference in REFERENCES):
@@ -82,9 +88,13 @@ class Candidate:
             raise ValueError(f"rho must lie in (0, 1], got {self.rho!r}")
         if not self.lam > 0:
             raise ValueError(f"lam must be > 0, got {self.lam!r}")
+        if self.gram_alpha is not None and not 0.0 <= self.gram_alpha <= 1.0:
+            raise ValueError(f"gram_alpha must lie in [0, 1], got {self.gram_alpha!r}")
 
     def label(self) -> str:
-        """Short human-readable name, e.g. ``rho=0.5,lam=1e-04,ref=largest,scale=none``."""
+        """Short human-readable name, e.g. ``rho=0.5,lam=1e-04,ref=largest,scale=none`` or ``gram-alpha=0.9,ref=largest``."""
+        if self.gram_alpha is not None:
+            return f"gram-alpha={self.gram_alpha:g},ref={self.reference}"
         return f"rho={self.rho:g},lam={self.lam:.0e},ref={self.reference},scale={self.fisher_scaling}"
 
 
@@ -102,12 +112,16 @@ class SweepGrid:
         (unless the caller says every client started from it: ``broadcast_in_round_one``).
     fisher_scalings : tuple of str
         Any of :data:`fedfiot_flwr.merge.FISHER_SCALINGS`.
+    gram_alphas : tuple of float
+        The Gram curvature's off-diagonal scalings (tried instead of ``rhos``, ``lams`` and
+        ``fisher_scalings`` when the default candidate is a Gram one).
     """
 
     rhos: tuple[float, ...] = DEFAULT_GRID_RHOS
     lams: tuple[float, ...] = DEFAULT_GRID_LAMS
     references: tuple[str, ...] = DEFAULT_GRID_REFERENCES
     fisher_scalings: tuple[str, ...] = ("none",)
+    gram_alphas: tuple[float, ...] = DEFAULT_GRID_GRAM_ALPHAS
 
     def candidates(self, default: Candidate | None = None, server_round: int = 1,
                    broadcast_in_round_one: bool = False) -> list[Candidate]:
@@ -133,6 +147,13 @@ class SweepGrid:
         refs = [r for r in self.references if not (r == "broadcast" and no_broadcast)]
         if default is not None and not (default.reference == "broadcast" and no_broadcast):
             out.append(default)
+        if default is not None and default.gram_alpha is not None:
+            for ref in refs:
+                for alpha in self.gram_alphas:
+                    c = Candidate(default.rho, default.lam, ref, default.fisher_scaling, float(alpha))
+                    if c not in out:
+                        out.append(c)
+            return out
         for ref in refs:
             for scaling in self.fisher_scalings:
                 for rho in self.rhos:
@@ -274,11 +295,7 @@ def sweep_candidates(
         logger.warning("FedFiOT: fallback='validation' without a validation function; using the paper's rule")
         selection = "objective"
     candidates = _round_candidates(config, context.server_round, validate is not None)
-    _warn_zero_fishers(uploads, context.server_round)
-    fishers = uploads.fishers if config.fisher_cap is None else _capped(uploads, config.fisher_cap,
-                                                                         config.fisher_cap_rule)
-    clients = prepare_clients(uploads.weights, fishers, buffers=context.buffers, num_examples=uploads.num_examples,
-                              client_ids=uploads.client_ids, checked=True)
+    clients = _prepared_uploads(uploads, config, context)
     validated = _CachedValidation(validate, config.race) if validate is not None else None
     if len(candidates) > 1:
         both = selection == "validation" and config.matching != "none"
@@ -312,6 +329,25 @@ def sweep_candidates(
     return out
 
 
+def _prepared_uploads(uploads: CollectedUploads, config: FedFiOTConfig,
+                      context: RoundContext) -> PreparedClients | PreparedGrams:
+    """The round's uploads prepared once for every candidate, with the robust cap on their curvature."""
+    if config.curvature == "gram":
+        grams = uploads.grams
+        if config.fisher_cap is not None:
+            grams, capped = cap_grams(grams, config.fisher_cap)
+            for k, layer, factor in capped:
+                logger.warning("FedFiOT round %s: client %s's Gram of %s was %.3g times the clients' median; "
+                               "brought down to it", context.server_round, uploads.client_ids[k], layer, factor)
+        return prepare_grams(uploads.weights, grams, num_examples=uploads.num_examples,
+                             client_ids=uploads.client_ids, checked=True)
+    _warn_zero_fishers(uploads, context.server_round)
+    fishers = uploads.fishers if config.fisher_cap is None else _capped(uploads, config.fisher_cap,
+                                                                         config.fisher_cap_rule)
+    return prepare_clients(uploads.weights, fishers, buffers=context.buffers, num_examples=uploads.num_examples,
+                           client_ids=uploads.client_ids, checked=True)
+
+
 def _with_selection(config: FedFiOTConfig, selection: str) -> FedFiOTConfig:
     """``config`` with ``selection`` (the identity rule that runs when validation data is missing)."""
     return config if config.selection == selection else dataclasses.replace(config, selection=selection)
@@ -324,12 +360,12 @@ def _round_candidates(config: FedFiOTConfig, server_round: int, has_validation: 
         return config.sweep.candidates(default, server_round, config.broadcast_in_round_one)
     if default.reference == "broadcast" and server_round <= 1 and not config.broadcast_in_round_one:
         logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
-        return [Candidate(default.rho, default.lam, "largest", default.fisher_scaling)]
+        return [Candidate(default.rho, default.lam, "largest", default.fisher_scaling, default.gram_alpha)]
     return [default]
 
 
 def _try_candidates(
-    clients: PreparedClients,
+    clients: PreparedClients | PreparedGrams,
     spec: PermutationSpec,
     config: FedFiOTConfig,
     candidates: Sequence[Candidate],
@@ -339,7 +375,8 @@ def _try_candidates(
     """Merge every candidate (each as its aligned and identity merge where validation chooses) and score it."""
     metric = config.selection_metric
     maximize = higher_is_better(metric)
-    starts = WarmStarts() if config.warm_start and config.matching != "none" else None
+    starts = (WarmStarts() if config.warm_start and config.matching != "none" and config.curvature == "diagonal"
+              else None)
     best: BestSoFar[tuple[Candidate, str, MergeResult, Model, dict[str, float] | None]] = BestSoFar(maximize=maximize)
     trials: list[dict[str, Any]] = []
     for cand in candidates:
@@ -352,7 +389,9 @@ def _try_candidates(
             lam=cand.lam, rho=cand.rho, max_iters=config.max_iters, reference=reference,
             matching=config.matching, aggregation=config.aggregation,
             fallback="none" if config.selection == "validation" else config.selection,
-            fisher_scaling=cand.fisher_scaling,
+            fisher_scaling=cand.fisher_scaling, curvature=config.curvature,
+            gram_alpha=config.gram_alpha if cand.gram_alpha is None else cand.gram_alpha,
+            gram_ridge=config.gram_ridge,
         )
         res = merge(
             clients, None, spec, options, speed=config.speed,
@@ -397,6 +436,7 @@ def _report(out: RoundOutcome, config: FedFiOTConfig, uploads: CollectedUploads,
         "inner-iterations": [int(r.iterations) for r in res.reports.values()],
         "rho": float(cand.rho),
         "lam": float(cand.lam),
+        **({} if cand.gram_alpha is None else {"gram-alpha": float(cand.gram_alpha)}),
         "merge-seconds": float(res.seconds),
         "num-trials": len(out.trials),
     }
@@ -416,4 +456,7 @@ def _report(out: RoundOutcome, config: FedFiOTConfig, uploads: CollectedUploads,
     }
     out.chosen = {"rho": cand.rho, "lam": cand.lam, "reference": cand.reference,
                   "fisher_scaling": cand.fisher_scaling, "variant": out.variant}
+    if cand.gram_alpha is not None:
+        out.chosen = {"curvature": "gram", "gram_alpha": cand.gram_alpha, "reference": cand.reference,
+                      "variant": out.variant}
     out.permutations = {p: list(v) for p, v in res.permutations.items()} if out.variant == "aligned" else None

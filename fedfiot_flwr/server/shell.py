@@ -34,7 +34,7 @@ from fedfiot_flwr.server.resume import RoundHistory, continue_rounds
 from fedfiot_flwr.server.rounds import RoundMerger
 from fedfiot_flwr.server.server_data import plan_server_data
 from fedfiot_flwr.server.uploads import FirstReplies
-from fedfiot_flwr.options import FISHER_CONFIG_KEY, Model
+from fedfiot_flwr.options import Model
 
 if TYPE_CHECKING:
     import torch
@@ -382,14 +382,15 @@ class MergeStrategy(FedAvg):
     ) -> Iterable[Message]:
         """Sample as FedAvg (with a bounded wait for nodes); remember the broadcast model and the instructions.
 
-        An aggregator that tells when it uses the clients' Fisher (``wants_fisher``) has the train
-        config say so under :data:`~fedfiot_flwr.options.FISHER_CONFIG_KEY`, for the clients to skip
-        the pass when it is not used.
+        An aggregator with a ``train_config`` (FedFiOT's) adds its entries to the train config:
+        whether the round uses the clients' curvature (:data:`~fedfiot_flwr.options.FISHER_CONFIG_KEY`,
+        for the clients to skip the pass when it is not used) and which one
+        (:data:`~fedfiot_flwr.options.CURVATURE_CONFIG_KEY`).
         """
         self._broadcast = arrays_to_numpy(arrays)
-        wants_fisher = getattr(self.aggregator, "wants_fisher", None)
-        if wants_fisher is not None:
-            config = ConfigRecord({**config, FISHER_CONFIG_KEY: bool(wants_fisher(server_round))})
+        train_config = getattr(self.aggregator, "train_config", None)
+        if train_config is not None:
+            config = ConfigRecord({**config, **train_config(server_round)})
         self._sent, lost = self._node_waiter.configure(
             self, grid, self.min_valid_replies, server_round,
             lambda: super(MergeStrategy, self).configure_train(server_round, arrays, config, grid),

@@ -126,7 +126,8 @@ def pack_gram_reply(
     rank: int | str | None = "fedavg",
     metrics: Mapping[str, float] | None = None,
 ) -> RecordDict:
-    """RegMean reply: 16-bit weights plus each Linear layer's 8-bit low-rank Gram.
+    """Gram reply (RegMean's, and FedFiOT's Gram curvature): 16-bit weights plus each layer's 8-bit low-rank
+    input Gram (Linear layers; Conv2d layers over their unfolded patches).
 
     Parameters are as in :func:`pack_kfac_reply` (``grams`` from
     :func:`fedfiot_flwr.curvature.input_grams`).
@@ -232,8 +233,9 @@ def unpack_curvature_reply(
             if name is not None and name not in base.weights:
                 raise ValueError(f"client {client}: layer {module!r} names tensor {name!r}, which is not in the reply")
         w = base.weights[wname]
-        if method == "gram" and w.ndim != 2:
-            raise ValueError(f"client {client}: RegMean layer {module!r} has a {w.ndim}-D weight, expected a Linear one")
+        if method == "gram" and w.ndim not in (2, 4):
+            raise ValueError(f"client {client}: Gram layer {module!r} has a {w.ndim}-D weight, expected a Linear or "
+                             "Conv2d one")
         sizes = {"A": int(np.prod(w.shape[1:])) + (bias is not None), "G": int(w.shape[0])}
         sizes["gram"] = sizes["A"]
         mats, roots = {}, {}

@@ -1,0 +1,94 @@
+"""Client side: the input second moments ``E[a a^T]`` of a model's Linear and Conv2d layers, in one forward pass.
+
+A Linear layer's rows ``a`` are its inputs (every position of a sequence input); a convolution's are its
+unfolded input patches (``C_in k_h k_w``, :func:`torch.nn.functional.unfold`'s order, channel major), one per
+output position. A layer with a bias gets a trailing constant input 1, so that ``[W b]`` shares the Gram.
+The Gram is the mean over the client's examples and positions, in float64 (each batch's product in the
+batch's dtype, the sum in float64); no labels and no backward pass are needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedfiot_flwr.fisher import _conv2d_padding, _patches, gradient_mode
+from fedfiot_flwr.task import split_batch
+
+__all__ = ["forward_grams"]
+
+
+def _rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's input rows ``(n, d)`` (a bias's constant input last)."""
+    if isinstance(module, nn.Conv2d):
+        padding = _conv2d_padding(module)
+        if padding is None or module.groups != 1:
+            raise ValueError(f"input Grams: Conv2d {module} needs groups=1 and zero padding given as numbers")
+        rows = _patches(module, x, padding).reshape(-1, module.in_channels * int(np.prod(module.kernel_size)))
+    else:
+        rows = x.reshape(-1, x.shape[-1])
+    if module.bias is not None:
+        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+    return rows
+
+
+def forward_grams(
+    model: nn.Module,
+    loader: Iterable[Any],
+    modules: Mapping[str, nn.Module],
+    device: torch.device | str | None = None,
+) -> dict[str, np.ndarray]:
+    """``{module name: E[a a^T]}`` of ``modules`` (Linear or Conv2d layers of ``model``) over ``loader``.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The network; run in eval mode without gradients, then restored.
+    loader : Iterable
+        ``(x, y)`` batches (or dicts, :func:`fedfiot_flwr.task.split_batch`); the labels are unused.
+    modules : mapping of str to nn.Module
+        The layers to cover, by name.
+    device : torch.device or str, optional
+        Where to run (default: the model's device).
+
+    Returns
+    -------
+    dict[str, np.ndarray]
+        Symmetric float64 Grams on the CPU.
+
+    Raises
+    ------
+    ValueError
+        For an empty loader or a convolution whose patches cannot be unfolded.
+    """
+    sums: dict[str, torch.Tensor] = {}
+    counts = dict.fromkeys(modules, 0)
+
+    def hook(name: str) -> Any:
+        def record(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            rows = _rows(module, args[0].detach())
+            product = (rows.T @ rows).to(torch.float64)
+            sums[name] = product if name not in sums else sums[name] + product
+            counts[name] += rows.shape[0]
+        return record
+
+    handles = [m.register_forward_hook(hook(name)) for name, m in modules.items()]
+    try:
+        with gradient_mode(model, device, "input Grams") as dev, torch.no_grad():
+            for batch in loader:
+                x, _ = split_batch(batch)
+                model(x.to(dev))
+    finally:
+        for h in handles:
+            h.remove()
+    if not sums or min(counts.values()) == 0:
+        raise ValueError("input Grams: the data loader yielded no examples")
+    out = {}
+    for name in modules:
+        m = (sums[name] / counts[name]).cpu().numpy()
+        out[name] = (m + m.T) / 2.0
+    return out
