@@ -89,12 +89,13 @@ METHOD_LABELS = {
     "fedfisher-diag": "FedFisher (diag)",
     "fedfisher-kfac": "FedFisher (K-FAC)",
     "regmean": "RegMean",
+    "fedfiot-gram": "FedFiOT default preset, Gram curvature (server data only chooses)",
 }
 # The paper's curvature baselines: they need each client's curvature of its trained model,
 # computed here from the cached trained weights on the client's own unaugmented data and cached next
 # to the uploads. Not in ONE_SHOT_METHODS: FedFisher's 2000 server steps (with a validation pass
 # every 100) and the K-FAC factors of the true Fisher are slow on CPU; select them with --methods.
-CURVATURE_METHODS = ("fedfisher-diag", "fedfisher-kfac", "regmean")
+CURVATURE_METHODS = ("fedfisher-diag", "fedfisher-kfac", "regmean", "fedfiot-gram")
 FEDFISHER_STEPS = 2000
 """FedFisher's server steps (paper, C.2; checkpoints every 100 steps, scored on validation)."""
 
@@ -872,14 +873,15 @@ def curvature_replies(
     batches of 1000) and cached as ``client<k>-<method>[-<kind>].npz`` next to the uploads.
     ``fedfisher-diag`` with the empirical Fisher is FedFiOT's upload itself (nothing to compute).
     """
-    from fedfiot_flwr.client import curvature_reply
+    from fedfiot_flwr.client import curvature_reply, fisher_reply
+    from fedfiot_flwr.options import CURVATURE_CONFIG_KEY
 
     if method not in CURVATURE_METHODS:
         raise ValueError(f"unknown curvature method {method!r}; choose from {CURVATURE_METHODS}")
     if method == "fedfisher-diag" and fisher_kind == "empirical":
         return CurvatureReplies(list(uploads.replies), uploads.fisher_seconds, True)
     device = device or default_device()
-    tag = method if method == "regmean" else f"{method}-{fisher_kind}"
+    tag = method if method in ("regmean", "fedfiot-gram") else f"{method}-{fisher_kind}"
     tag = tag.replace("fedfisher-kfac", "kfac").replace("regmean", "gram").replace("fedfisher-diag", "diag")
     replies: list[RecordDict] = []
     seconds, cached = 0.0, True
@@ -894,10 +896,16 @@ def curvature_replies(
         model = load_numpy(build(), uploads.float32.weights[pid])
         loader = fisher_loader(split, pid)
         t0 = time.perf_counter()
-        reply = curvature_reply(method, model, loader, num_examples=len(split.client_indices[pid]),
-                            metrics=uploads.quantized.metrics[pid], fisher_kind=fisher_kind, device=device)
+        if method == "fedfiot-gram":  # the ClientApp's reply when the train config asks for the Gram curvature
+            reply = fisher_reply(model, loader, uploads.quantized.metrics[pid],
+                                 num_examples=len(split.client_indices[pid]), device=device,
+                                 config={CURVATURE_CONFIG_KEY: "gram"})
+        else:
+            reply = curvature_reply(method, model, loader, num_examples=len(split.client_indices[pid]),
+                                    metrics=uploads.quantized.metrics[pid], fisher_kind=fisher_kind, device=device)
         dt = time.perf_counter() - t0
-        log(f"  client {pid}: {method} curvature ({fisher_kind if method != 'regmean' else 'Gram'}) {dt:.1f}s")
+        kind = "Gram" if method in ("regmean", "fedfiot-gram") else fisher_kind
+        log(f"  client {pid}: {method} curvature ({kind}) {dt:.1f}s")
         if path is not None:
             _save_reply(path, reply, {"seconds": dt, "method": method, "fisher_kind": fisher_kind})
         replies.append(reply)
@@ -921,6 +929,7 @@ class CurvatureMethodResult:
     curvature_seconds: float
     curvature_cached: bool
     fisher_kind: str | None
+    fraction_permuted: float = 0.0
     test_accuracy: float = math.nan
     test_loss: float = math.nan
     test_seconds: float = 0.0
@@ -929,14 +938,16 @@ class CurvatureMethodResult:
     def upload(self) -> str:
         """The upload this method merged (the record's ``upload`` field)."""
         return {"fedfisher-diag": "q16 weights + Fisher", "fedfisher-kfac": "q16 weights + 8-bit K-FAC",
-                "regmean": "q16 weights + 8-bit Grams"}[self.method]
+                "regmean": "q16 weights + 8-bit Grams",
+                "fedfiot-gram": "q16 weights + 8-bit Grams (Linear and Conv2d)"}[self.method]
 
     def record(self) -> dict[str, Any]:
         """JSON-friendly summary (no model)."""
         return {
             "method": self.method, "test_accuracy": self.test_accuracy, "test_loss": self.test_loss,
-            "validation_accuracy": self.validation_accuracy, "knobs": self.knobs, "fraction_permuted": 0.0,
-            "alignment_fraction_permuted": 0.0, "merge_seconds": self.merge_seconds,
+            "validation_accuracy": self.validation_accuracy, "knobs": self.knobs,
+            "fraction_permuted": self.fraction_permuted if self.knobs.get("variant") == "aligned" else 0.0,
+            "alignment_fraction_permuted": self.fraction_permuted, "merge_seconds": self.merge_seconds,
             "sweep_seconds": self.merge_seconds, "candidates": self.candidates, "test_seconds": self.test_seconds,
             "upload_bytes": self.upload_bytes, "curvature_bytes": self.curvature_bytes,
             "fedavg_bytes": self.fedavg_bytes, "curvature_seconds": self.curvature_seconds,
@@ -945,10 +956,16 @@ class CurvatureMethodResult:
 
 
 def curvature_aggregator(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str = "true",
-                         device: torch.device | None = None) -> FedFisherAggregator | RegMeanAggregator:
-    """The aggregator the Flower strategy of ``method`` runs (FedFisher or RegMean)."""
+                         device: torch.device | None = None, spec: PermutationSpec | None = None,
+                         ) -> FedFisherAggregator | RegMeanAggregator | FedFiOTAggregator:
+    """The aggregator the Flower strategy of ``method`` runs (FedFisher, RegMean, or FedFiOT with the Gram
+    curvature: the default preset with server data that only chooses, which needs the model's ``spec``)."""
     if method == "regmean":
         return RegMeanAggregator()
+    if method == "fedfiot-gram":
+        if spec is None:
+            raise ValueError("fedfiot-gram needs the model's permutation spec")
+        return FedFiOTAggregator(spec, FedFiOTConfig.default(curvature="gram").for_server(True))
     variant = {"fedfisher-kfac": "kfac", "fedfisher-diag": "diag"}[method]
     return FedFisherAggregator(variant, steps=steps, fisher_kind=fisher_kind, device=device)
 
@@ -957,6 +974,9 @@ def curvature_knobs(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str 
     """Human-readable description of a curvature baseline's selection (for the grids list)."""
     if method == "regmean":
         return "alpha [0.1, 0.9] (off-diagonal Gram scaling) [q16 weights + 8-bit rank-capped Grams, <= FedAvg bytes]"
+    if method == "fedfiot-gram":
+        return ("alpha x reference x (aligned | identity | FedAvg), the default preset's sweep with the Gram "
+                "curvature [q16 weights + 8-bit rank-capped Grams of every Linear and Conv2d layer, <= FedAvg bytes]")
     return (f"checkpoint every 100 of {steps} steps (FedFisher's update rule, lr 0.01, size-weighted), "
             f"{fisher_kind} Fisher" + (" [q16 weights + 8-bit rank-capped K-FAC, <= FedAvg bytes]"
                                         if method == "fedfisher-kfac" else " [q16 weights + Fisher]"))
@@ -985,7 +1005,8 @@ def apply_curvature_method(
     from fedfiot_flwr.wire import fedavg_payload_bytes
 
     cr = curvature_replies(method, setting, split, uploads, build, fisher_kind, cache_dir, device, log)
-    aggregator = curvature_aggregator(method, steps, fisher_kind, device)
+    spec = permutation_spec(build()) if method == "fedfiot-gram" else None
+    aggregator = curvature_aggregator(method, steps, fisher_kind, device, spec)
     ids = [str(i) for i in range(len(cr.replies))]
     expected = {k: tuple(v.shape) for k, v in uploads.float32.weights[0].items()}
     collected = collect_uploads(list(zip(ids, cr.replies)), expected, buffers, kind=aggregator.reply_kind,
@@ -994,9 +1015,11 @@ def apply_curvature_method(
         raise ValueError(f"{method} uploads rejected: {[vars(r) for r in collected.rejections]}")
     outcome = aggregator.aggregate(collected, RoundContext(1, buffers=tuple(buffers), validate=validate))
     chosen = dict(outcome.chosen)
-    chosen["swept"] = ["alpha"] if method == "regmean" else ["best_step"]
-    candidates = (len(aggregator.alphas) if method == "regmean"
-                  else len(outcome.record.get("history", [])))
+    chosen["swept"] = {"regmean": ["alpha"], "fedfiot-gram": ["gram_alpha", "reference", "variant"]}.get(
+        method, ["best_step"])
+    candidates = {"regmean": len(getattr(aggregator, "alphas", ())),
+                  "fedfiot-gram": len(outcome.trials)}.get(method, len(outcome.record.get("history", [])))
+    moved = float(np.mean(outcome.metrics.get("alignment-moved-fraction") or [0.0]))
     curv = getattr(collected, "curvature_bytes_per_client", {})
     return CurvatureMethodResult(
         method=method, model=outcome.model, validation_accuracy=float(validate(outcome.model)["accuracy"]),
@@ -1005,7 +1028,7 @@ def apply_curvature_method(
         curvature_bytes=float(np.mean(list(curv.values()))) if curv else 0.0,
         fedavg_bytes=fedavg_payload_bytes(uploads.float32.weights[0]),
         curvature_seconds=cr.seconds, curvature_cached=cr.cached,
-        fisher_kind=None if method == "regmean" else fisher_kind,
+        fisher_kind=None if method in ("regmean", "fedfiot-gram") else fisher_kind, fraction_permuted=moved,
     )
 
 
@@ -1170,6 +1193,10 @@ def knob_text(knobs: Mapping[str, Any]) -> str:
         parts.append("identity")
     if "alpha" in swept:  # RegMean
         parts.append(f"α={knobs['alpha']:g}")
+    if "gram_alpha" in swept:  # FedFiOT with the Gram curvature
+        parts.append(f"α={knobs['gram_alpha']:g}")
+        if knobs.get("variant") in ("identity", "fedavg"):
+            parts.append(str(knobs["variant"]))
     if "best_step" in swept:  # FedFisher
         parts.append(f"step {knobs['best_step']}")
     return ", ".join(parts) or "–"

@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_MAX_ITERS",
     "DEFAULT_RHO",
     "DEFAULT_GRAM_ALPHA",
+    "DEFAULT_GRAM_CAP",
     "DEFAULT_GRID_GRAM_ALPHAS",
     "DEFAULT_GRID_LAMS",
     "DEFAULT_GRID_REFERENCES",
@@ -132,6 +133,10 @@ DEFAULT_GRID_LAMS = (1e-3, 1e-4, 1e-5)
 DEFAULT_GRID_REFERENCES = ("largest", "broadcast")
 DEFAULT_GRID_GRAM_ALPHAS = (0.1, 0.5, 0.9, 1.0)
 """The Gram curvature's off-diagonal scalings tried on validation data (RegMean's 0.1 and 0.9, and 0.5, 1)."""
+DEFAULT_GRAM_CAP = 100.0
+"""Robust weighting of the Gram curvature: a client's Gram of a layer more than this many times the other clients'
+median (mean diagonal entry) is brought down to it. Looser than the Fisher's cap: the Grams of honest clients' hidden
+layers differ with their weights' scale, which the merge should weigh; an inflated Gram is orders of magnitude off."""
 DEFAULT_GRAM_ALPHA = 0.9
 """The Gram curvature's off-diagonal scaling without validation data (the value validation chose most often
 on digits' MLP, 100 local epochs, 3 seeds, both initialisations: research/results/gram_alignment.md)."""

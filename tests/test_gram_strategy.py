@@ -107,11 +107,11 @@ def test_one_inflated_gram_is_capped_to_the_other_clients_median(inflate: float)
     def merged(uploads: list, cap: float | None) -> dict:
         collected = CollectedUploads(client_ids=[str(i) for i in range(4)], weights=[u[0] for u in uploads],
                                      num_examples=[u[2] for u in uploads], grams=[u[1] for u in uploads])
-        config = FedFiOTConfig.default(curvature="gram", fisher_cap=cap).without_validation()
+        config = FedFiOTConfig.default(curvature="gram", gram_cap=cap).without_validation()
         return sweep_candidates(collected, SPEC, config, RoundContext(server_round=1)).model
 
-    honest = merged(_uploads(None), 10.0)
-    capped = merged(_uploads(inflate), 10.0)
+    honest = merged(_uploads(None), 100.0)
+    capped = merged(_uploads(inflate), 100.0)
     uncapped = merged(_uploads(inflate), None)
 
     def distance(a: dict, b: dict) -> float:

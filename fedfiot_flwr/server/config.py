@@ -34,6 +34,7 @@ from fedfiot_flwr.merge.validate import check_options
 from fedfiot_flwr.options import (
     DEFAULT_FISHER_ROUNDS,
     DEFAULT_GRAM_ALPHA,
+    DEFAULT_GRAM_CAP,
     DEFAULT_LAM,
     DEFAULT_MAX_ITERS,
     DEFAULT_RHO,
@@ -126,13 +127,16 @@ class FedFiOTConfig:
         the clients' diagonal Fisher (the paper), or their layers' input Grams
         (:mod:`fedfiot_flwr.merge.gram`). With ``"gram"`` the train config asks the clients for
         Grams (:data:`~fedfiot_flwr.options.CURVATURE_CONFIG_KEY`), ``rho``, ``lam`` and
-        ``fisher_scaling`` are not used, the sweep tries ``sweep.gram_alphas`` and the
-        references, and ``fisher_cap`` caps a client's Gram of a layer at that factor times the
-        other clients' median (:func:`~fedfiot_flwr.merge.gram.cap_grams`).
+        ``fisher_scaling`` are not used, and the sweep tries ``sweep.gram_alphas`` and the
+        references.
     gram_alpha : float
         The Gram's off-diagonal scaling in [0, 1] without validation data (RegMean's alpha).
     gram_ridge : float
         Relative ridge added to every Gram's diagonal (times its mean diagonal entry).
+    gram_cap : float or None
+        Robust weighting of the Gram curvature: a client's Gram of a layer whose mean diagonal
+        entry is more than this factor times the other clients' median is scaled down to it
+        (:func:`~fedfiot_flwr.merge.gram.cap_grams`); ``None`` or 0: the Grams as uploaded.
     """
 
     name: str = "custom"
@@ -161,6 +165,7 @@ class FedFiOTConfig:
     curvature: str = "diagonal"
     gram_alpha: float = DEFAULT_GRAM_ALPHA
     gram_ridge: float = 0.0
+    gram_cap: float | None = DEFAULT_GRAM_CAP
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
@@ -175,6 +180,10 @@ class FedFiOTConfig:
             object.__setattr__(self, "fisher_cap", None)
         if self.fisher_cap is not None and not self.fisher_cap >= 1:
             raise ValueError(f"fisher_cap must be >= 1, or 0 / None for no cap, got {self.fisher_cap!r}")
+        if self.gram_cap == 0:
+            object.__setattr__(self, "gram_cap", None)
+        if self.gram_cap is not None and not self.gram_cap >= 1:
+            raise ValueError(f"gram_cap must be >= 1, or 0 / None for no cap, got {self.gram_cap!r}")
         if self.fisher_cap_rule not in FISHER_CAP_RULES:
             raise ValueError(f"fisher_cap_rule must be one of {FISHER_CAP_RULES}, got {self.fisher_cap_rule!r}")
         if self.fisher_rounds is not None and (isinstance(self.fisher_rounds, bool)

@@ -334,8 +334,8 @@ def _prepared_uploads(uploads: CollectedUploads, config: FedFiOTConfig,
     """The round's uploads prepared once for every candidate, with the robust cap on their curvature."""
     if config.curvature == "gram":
         grams = uploads.grams
-        if config.fisher_cap is not None:
-            grams, capped = cap_grams(grams, config.fisher_cap)
+        if config.gram_cap is not None:
+            grams, capped = cap_grams(grams, config.gram_cap)
             for k, layer, factor in capped:
                 logger.warning("FedFiOT round %s: client %s's Gram of %s was %.3g times the clients' median; "
                                "brought down to it", context.server_round, uploads.client_ids[k], layer, factor)

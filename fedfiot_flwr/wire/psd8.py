@@ -2,7 +2,7 @@
 
 A curvature reply is a FedFiOT reply without Fishers (:mod:`fedfiot_flwr.wire.q16`) plus, in the
 same ArrayRecord, one ``fedfiot.psd8.v1`` Array per factor keyed ``curvature/<module>/<factor>``
-(``A`` and ``G`` for K-FAC, ``gram`` for RegMean: ``r`` float32 column scales, then ``n r`` int8
+(``A`` and ``G`` for K-FAC, ``gram`` for the Gram replies: ``r`` float32 column scales, then ``n r`` int8
 codes, see :mod:`fedfiot_flwr.psd`) and a ConfigRecord ``"curvature"`` describing the layers.
 Decoding checks every factor against :data:`~fedfiot_flwr.reply_limits.MAX_CURVATURE_MAGNITUDE`
 as it rebuilds it.
