@@ -145,7 +145,7 @@ def _gram_round(model: nn.Module, loader: Iterable[Any], metrics: Mapping[str, f
     from fedfiot_flwr.curvature import input_grams
 
     start = time.perf_counter()
-    grams = input_grams(model, loader, device=_device(device), convolutions=True)
+    grams = input_grams(model, loader, device=_device(device), convolutions=True, sample=True)
     seconds = time.perf_counter() - start
     n = count_examples(loader) if num_examples is None else int(num_examples)
     weights = {k: to_numpy(v).copy() for k, v in model.state_dict().items()}
@@ -199,7 +199,8 @@ def fisher_reply(
         the default's Fisher rounds) the pass is skipped and only the 16-bit weights are sent. When it
         names the Gram curvature (:data:`~fedfiot_flwr.options.CURVATURE_CONFIG_KEY` ``"gram"``), the
         reply carries the input Grams of the Linear and Conv2d layers in place of the Fisher (one
-        forward pass; 8-bit low rank, within FedAvg's float32 bytes).
+        forward pass, each batch's Gram estimated from a random subset of its rows that costs at
+        most the layer's forward pass; 8-bit low rank, within FedAvg's float32 bytes).
 
     Returns
     -------

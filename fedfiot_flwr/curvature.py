@@ -250,6 +250,7 @@ def input_grams(
     device: torch.device | str | None = None,
     progress: bool = False,
     convolutions: bool = False,
+    sample: bool = False,
 ) -> dict[str, InputGram]:
     """RegMean's Gram matrices ``E[x x^T]`` of every Linear layer's inputs (and Conv2d layer's patches).
 
@@ -273,6 +274,9 @@ def input_grams(
     convolutions : bool
         Also cover the Conv2d layers (``groups=1``): FedFiOT's Gram curvature; RegMean merges
         Linear layers only.
+    sample : bool
+        Estimate each batch's Gram from a random subset of its rows whose product costs at most
+        the layer's forward pass (:func:`fedfiot_flwr.grams.forward_grams`).
 
     Returns
     -------
@@ -287,7 +291,7 @@ def input_grams(
     from fedfiot_flwr.grams import forward_grams
 
     chosen = _select(model, modules, linear_only=not convolutions)
-    grams = forward_grams(model, dataloader, chosen, device)
+    grams = forward_grams(model, dataloader, chosen, device, sample)
     return {
         name: InputGram(
             weight=_key(name, "weight"),

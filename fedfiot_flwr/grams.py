@@ -5,6 +5,12 @@ unfolded input patches (``C_in k_h k_w``, :func:`torch.nn.functional.unfold`'s o
 output position. A layer with a bias gets a trailing constant input 1, so that ``[W b]`` shares the Gram.
 The Gram is the mean over the client's examples and positions, in float64 (each batch's product in the
 batch's dtype, the sum in float64); no labels and no backward pass are needed.
+
+A layer with more inputs than outputs would spend more on its Gram (``d_in^2`` per row) than on its forward
+pass (``d_in d_out``). With ``sample=True`` each batch's Gram is estimated from a uniform random subset of
+its rows, ``ceil(n_rows * d_out / d_in)`` of them (at least 64, at most all): an unbiased estimate whose
+product costs at most the layer's forward pass. A convolution has one row per example and output position,
+so the subset keeps a few positions of every example on average.
 """
 
 from __future__ import annotations
@@ -19,7 +25,23 @@ from torch import nn
 from fedfiot_flwr.fisher import _conv2d_padding, _patches, gradient_mode
 from fedfiot_flwr.task import split_batch
 
+MIN_SAMPLED_ROWS = 64
+"""Fewest rows a sampled batch's Gram keeps (all of them when the batch has fewer)."""
+
 __all__ = ["forward_grams"]
+
+
+def _outputs(module: nn.Module) -> int:
+    return int(module.out_channels if isinstance(module, nn.Conv2d) else module.out_features)
+
+
+def _sampled(rows: torch.Tensor, d_out: int, gen: torch.Generator) -> torch.Tensor:
+    """A uniform random subset of ``rows`` whose Gram costs at most the layer's forward pass."""
+    n, d_in = rows.shape
+    keep = min(n, max(MIN_SAMPLED_ROWS, -(-n * d_out // d_in)))
+    if keep >= n:
+        return rows
+    return rows[torch.randperm(n, generator=gen)[:keep].to(rows.device)]
 
 
 def _rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -41,6 +63,7 @@ def forward_grams(
     loader: Iterable[Any],
     modules: Mapping[str, nn.Module],
     device: torch.device | str | None = None,
+    sample: bool = False,
 ) -> dict[str, np.ndarray]:
     """``{module name: E[a a^T]}`` of ``modules`` (Linear or Conv2d layers of ``model``) over ``loader``.
 
@@ -54,6 +77,9 @@ def forward_grams(
         The layers to cover, by name.
     device : torch.device or str, optional
         Where to run (default: the model's device).
+    sample : bool
+        Estimate each batch's Gram from a random subset of its rows (see the module docstring; the
+        subsets are drawn from a generator seeded with 0, so the pass is deterministic).
 
     Returns
     -------
@@ -67,10 +93,13 @@ def forward_grams(
     """
     sums: dict[str, torch.Tensor] = {}
     counts = dict.fromkeys(modules, 0)
+    gen = torch.Generator().manual_seed(0)
 
     def hook(name: str) -> Any:
         def record(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
             rows = _rows(module, args[0].detach())
+            if sample:
+                rows = _sampled(rows, _outputs(module), gen)
             product = (rows.T @ rows).to(torch.float64)
             sums[name] = product if name not in sums else sums[name] + product
             counts[name] += rows.shape[0]

@@ -33,7 +33,6 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import scipy.linalg
 
 from fedfiot_flwr.options import ModelView as Model
 from fedfiot_flwr.psd import InputGram, layer_matrix
@@ -42,7 +41,7 @@ from .dtypes import cast_average
 from .spec import AxisPerm, PermutationSpec, expand_block_permutation, permute_tensor
 from .validate import check_models, check_num_examples
 
-__all__ = ["GramLayers", "PreparedGrams", "cap_grams", "closed_form", "input_order", "merge_with_grams", "prepare_grams",
+__all__ = ["GramLayers", "PreparedGrams", "cap_grams", "closed_form", "psd_pinv", "input_order", "merge_with_grams", "prepare_grams",
            "regmean_solution", "scale_off_diagonal", "scaled_gram"]
 
 def scale_off_diagonal(gram: np.ndarray, alpha: float) -> np.ndarray:
@@ -68,17 +67,32 @@ def scaled_gram(gram: np.ndarray, alpha: float, ridge: float) -> np.ndarray:
     return (out + out.T) / 2.0
 
 
-def closed_form(w_avg: np.ndarray, r: np.ndarray, s: np.ndarray, rcond: float = 1e-10) -> np.ndarray:
+def psd_pinv(s: np.ndarray, rcond: float = 1e-10) -> np.ndarray:
+    """The pseudo-inverse of the symmetrised ``s``: eigenvalues at most ``rcond`` times the largest in magnitude
+    are dropped (for a symmetric matrix, its singular values are its eigenvalues' magnitudes).
+
+    >>> psd_pinv(np.diag([4.0, 1e-12]), rcond=1e-10).tolist()
+    [[0.25, 0.0], [0.0, 0.0]]
+    """
+    values, vectors = np.linalg.eigh((s + s.T) / 2.0)
+    top = float(np.max(np.abs(values))) if values.size else 0.0
+    keep = np.abs(values) > rcond * top
+    scaled = vectors[:, keep] / values[keep]
+    return scaled @ vectors[:, keep].T
+
+
+def closed_form(w_avg: np.ndarray, r: np.ndarray, s: np.ndarray, rcond: float = 1e-10,
+                pinv: np.ndarray | None = None) -> np.ndarray:
     """The ``W`` with ``W S = R`` closest to ``w_avg``: ``w_avg + (R - w_avg S) S^+``.
 
-    Singular values of the symmetrised ``S`` below ``rcond`` times the largest are dropped.
+    ``S^+`` is :func:`psd_pinv` of ``S`` (pass it as ``pinv`` when ``S`` serves several solves).
 
     >>> closed_form(np.zeros((1, 2)), np.array([[2., 0.]]), np.diag([2., 0.])).tolist()
     [[1.0, 0.0]]
     """
-    s = (s + s.T) / 2.0
-    delta_t, *_ = scipy.linalg.lstsq(s, (r - w_avg @ s).T, cond=rcond)
-    return w_avg + delta_t.T
+    if pinv is None:
+        pinv = psd_pinv(s, rcond)
+    return w_avg + (r - w_avg @ ((s + s.T) / 2.0)) @ pinv
 
 
 def regmean_solution(mats: Sequence[np.ndarray], curvatures: Sequence[np.ndarray], shares: Sequence[float],
@@ -305,6 +319,7 @@ class GramLayers:
         self.const = float(sum(float(r.sum()) for rk in self.row_const for r in rk))
         members = len(views[0])
         self.den = [sum(self.curvatures[k][i] for k in range(self.n_clients)) for i in range(members)]
+        self.pinv = [psd_pinv(s, rcond) for s in self.den]  # S_l does not change while this group aligns
 
     def costs(self, w: Sequence[np.ndarray], skip: Collection[int] = ()) -> Iterator[np.ndarray | None]:
         """Per client, ``C[i, j] = sum_l (w_l,i - m_kl,j) A_kl (w_l,i - m_kl,j)^T`` (None for ``skip``)."""
@@ -328,7 +343,7 @@ class GramLayers:
         out = []
         for i, (r, s) in enumerate(zip(num, den)):
             w_avg = sum(c * self.layers[k][i][p] for k, (c, p) in enumerate(zip(self.shares, perms)))
-            out.append(closed_form(w_avg, r, s, self.rcond))
+            out.append(closed_form(w_avg, r, s, self.rcond, self.pinv[i] if s is self.den[i] else None))
         return out
 
     def objective(self, w: Sequence[np.ndarray], num: Sequence[np.ndarray], den: Sequence[np.ndarray]) -> float:
