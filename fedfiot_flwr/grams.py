@@ -6,11 +6,11 @@ output position. A layer with a bias gets a trailing constant input 1, so that `
 The Gram is the mean over the client's examples and positions, in float64 (each batch's product in the
 batch's dtype, the sum in float64); no labels and no backward pass are needed.
 
-A layer with more inputs than outputs would spend more on its Gram (``d_in^2`` per row) than on its forward
-pass (``d_in d_out``). With ``sample=True`` each batch's Gram is estimated from a uniform random subset of
-its rows, ``ceil(n_rows * d_out / d_in)`` of them (at least 64, at most all): an unbiased estimate whose
-product costs at most the layer's forward pass. A convolution has one row per example and output position,
-so the subset keeps a few positions of every example on average.
+A convolution has one row per example and output position, and with more inputs than outputs its Gram
+(``d_in^2`` per row) costs more than its forward pass (``d_in d_out``). With ``sample=True`` each batch's
+Gram is estimated from a uniform random subset of its rows, ``ceil(n_rows * d_out / d_in)`` of them but at
+least one per example: an unbiased estimate whose product costs about the layer's forward pass. A layer
+with one row per example (a Linear layer on flat inputs) keeps them all.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from torch import nn
 from fedfiot_flwr.fisher import _conv2d_padding, _patches, gradient_mode
 from fedfiot_flwr.task import split_batch
 
-MIN_SAMPLED_ROWS = 64
-"""Fewest rows a sampled batch's Gram keeps (all of them when the batch has fewer)."""
 
 __all__ = ["forward_grams"]
 
@@ -35,10 +33,10 @@ def _outputs(module: nn.Module) -> int:
     return int(module.out_channels if isinstance(module, nn.Conv2d) else module.out_features)
 
 
-def _sampled(rows: torch.Tensor, d_out: int, gen: torch.Generator) -> torch.Tensor:
-    """A uniform random subset of ``rows`` whose Gram costs at most the layer's forward pass."""
+def _sampled(rows: torch.Tensor, d_out: int, examples: int, gen: torch.Generator) -> torch.Tensor:
+    """A uniform random subset of ``rows`` whose Gram costs about the layer's forward pass (one row per example at least)."""
     n, d_in = rows.shape
-    keep = min(n, max(MIN_SAMPLED_ROWS, -(-n * d_out // d_in)))
+    keep = min(n, max(examples, -(-n * d_out // d_in)))
     if keep >= n:
         return rows
     return rows[torch.randperm(n, generator=gen)[:keep].to(rows.device)]
@@ -99,7 +97,7 @@ def forward_grams(
         def record(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
             rows = _rows(module, args[0].detach())
             if sample:
-                rows = _sampled(rows, _outputs(module), gen)
+                rows = _sampled(rows, _outputs(module), int(args[0].shape[0]), gen)
             product = (rows.T @ rows).to(torch.float64)
             sums[name] = product if name not in sums else sums[name] + product
             counts[name] += rows.shape[0]

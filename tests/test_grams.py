@@ -63,3 +63,19 @@ def test_the_pass_leaves_the_model_as_it_was_and_refuses_an_empty_loader() -> No
     assert net.training and all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     with pytest.raises(ValueError, match="no examples"):
         input_grams(net, [], convolutions=True)
+
+
+def test_a_sampled_pass_estimates_the_grams_from_fewer_rows_and_is_repeatable() -> None:
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Conv2d(1, 2, 5), nn.Flatten(), nn.Linear(2 * 12 * 12, 3))
+    x = torch.randn(400, 1, 16, 16)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(400, dtype=torch.long)),
+                                         batch_size=200)
+    full = input_grams(net, loader, convolutions=True)
+    sampled = input_grams(net, loader, convolutions=True, sample=True)
+    again = input_grams(net, loader, convolutions=True, sample=True)
+    error = np.linalg.norm(sampled["0"].gram - full["0"].gram) / np.linalg.norm(full["0"].gram)
+    assert 0 < error < 0.1, error  # the convolution: fewer rows (2 outputs for 25 inputs), the same moment
+    np.testing.assert_array_equal(sampled["2"].gram, full["2"].gram)  # one row per example: all kept
+    for name in full:
+        np.testing.assert_array_equal(sampled[name].gram, again[name].gram)
