@@ -120,7 +120,33 @@ def test_one_inflated_gram_is_capped_to_the_other_clients_median(inflate: float)
     assert distance(capped, honest) < 0.25 * distance(uncapped, honest)
 
 
-def test_the_legacy_strategy_asks_for_the_same_curvature() -> None:
-    legacy = FedFiOTLegacy(spec=SPEC, config=FedFiOTConfig.default(curvature="gram"))
-    assert legacy.merger.aggregator.train_config(1)[CURVATURE_CONFIG_KEY] == "gram"
-    assert legacy.merger.aggregator.reply_kind == "gram"
+def test_the_legacy_strategy_runs_the_same_gram_round() -> None:
+    from test_legacy import Proxy
+
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server.client_manager import SimpleClientManager
+
+    from fedfiot_flwr.server.legacy_envelope import reply_to_ndarrays
+
+    model = tiny_mlp()
+    legacy = FedFiOTLegacy(model=model, config=FedFiOTConfig.default(curvature="gram", max_iters=3),
+                           min_fit_clients=3, min_available_clients=3)
+    manager = SimpleClientManager()
+    for cid in ("a", "b", "c"):
+        manager.register(Proxy(cid))
+    params = ndarrays_to_parameters([v.numpy() for v in model.state_dict().values()])
+    sampled = legacy.configure_fit(1, params, manager)
+    assert {ins.config[CURVATURE_CONFIG_KEY] for _, ins in sampled} == {"gram"}
+    results, contents = [], []
+    for k, (proxy, ins) in enumerate(sorted(sampled, key=lambda s: s[0].cid)):
+        content = fisher_reply(*_client(k), {}, config=ins.config)
+        contents.append(content)
+        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(reply_to_ndarrays(content)),
+                                      30 + 10 * k, {})))
+    out, _ = legacy.aggregate_fit(1, results, [])
+    decoded = [decode_reply(c, "gram", client=str(i), expected_shapes=None) for i, c in enumerate(contents)]
+    expected = merge([d.weights for d in decoded], [d.grams for d in decoded], SPEC,
+                     MergeOptions(curvature="gram", gram_alpha=0.9, max_iters=3),
+                     num_examples=[d.num_examples for d in decoded])
+    for got, (name, value) in zip(parameters_to_ndarrays(out), expected.model.items()):
+        np.testing.assert_allclose(got, value, rtol=1e-6, atol=1e-7, err_msg=name)
