@@ -21,37 +21,63 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from fedfiot_flwr.fisher import _conv2d_padding, _patches, gradient_mode
+from fedfiot_flwr.fisher import _conv2d_padding, gradient_mode
 from fedfiot_flwr.task import split_batch
 
 
 __all__ = ["forward_grams"]
 
 
-def _outputs(module: nn.Module) -> int:
-    return int(module.out_channels if isinstance(module, nn.Conv2d) else module.out_features)
+def _subset(n: int, d_in: int, d_out: int, examples: int, gen: torch.Generator | None) -> torch.Tensor | None:
+    """Indices of a uniform random subset of ``n`` rows whose Gram costs about the layer's forward pass.
 
-
-def _sampled(rows: torch.Tensor, d_out: int, examples: int, gen: torch.Generator) -> torch.Tensor:
-    """A uniform random subset of ``rows`` whose Gram costs about the layer's forward pass (one row per example at least)."""
-    n, d_in = rows.shape
+    ``None`` keeps every row: no generator (no sampling), or a subset no smaller than ``n``.
+    """
+    if gen is None:
+        return None
     keep = min(n, max(examples, -(-n * d_out // d_in)))
-    if keep >= n:
-        return rows
-    return rows[torch.randperm(n, generator=gen)[:keep].to(rows.device)]
+    return None if keep >= n else torch.randperm(n, generator=gen)[:keep]
 
 
-def _rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The layer's input rows ``(n, d)`` (a bias's constant input last)."""
+def _patch_view(module: nn.Conv2d, x: torch.Tensor, out_hw: tuple[int, int]) -> torch.Tensor:
+    """The convolution's input patches as ``(B, H', W', C_in, k_h, k_w)``, a strided view where it can be.
+
+    Indexing the view's first three axes copies only the patches a sample keeps.
+    """
+    padding = _conv2d_padding(module)
+    if padding is None or module.groups != 1:
+        raise ValueError(f"input Grams: Conv2d {module} needs groups=1 and zero padding given as numbers")
+    (kh, kw), (sh, sw) = module.kernel_size, module.stride
+    if tuple(module.dilation) != (1, 1):
+        u = F.unfold(x, module.kernel_size, module.dilation, padding, module.stride)
+        return u.transpose(1, 2).reshape(x.shape[0], *out_hw, module.in_channels, kh, kw)
+    if padding != (0, 0):
+        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    return x.unfold(2, kh, sh).unfold(3, kw, sw).permute(0, 2, 3, 1, 4, 5)
+
+
+def _rows(module: nn.Module, x: torch.Tensor, output: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """The layer's input rows ``(n, d)`` (a bias's constant input last), all or a random subset (``gen``)."""
+    bias = int(module.bias is not None)
     if isinstance(module, nn.Conv2d):
-        padding = _conv2d_padding(module)
-        if padding is None or module.groups != 1:
-            raise ValueError(f"input Grams: Conv2d {module} needs groups=1 and zero padding given as numbers")
-        rows = _patches(module, x, padding).reshape(-1, module.in_channels * int(np.prod(module.kernel_size)))
+        view = _patch_view(module, x, (int(output.shape[-2]), int(output.shape[-1])))
+        d = int(np.prod(view.shape[3:]))
+        n = int(np.prod(view.shape[:3]))
+        keep = _subset(n, d + bias, module.out_channels, int(x.shape[0]), gen)
+        if keep is None:
+            rows = view.reshape(n, d)
+        else:
+            per_example = view.shape[1] * view.shape[2]
+            keep = keep.to(view.device)
+            b, pos = keep // per_example, keep % per_example
+            rows = view[b, pos // view.shape[2], pos % view.shape[2]].reshape(-1, d)
     else:
         rows = x.reshape(-1, x.shape[-1])
-    if module.bias is not None:
+        keep = _subset(rows.shape[0], rows.shape[1] + bias, module.out_features, int(x.shape[0]), gen)
+        rows = rows if keep is None else rows[keep.to(rows.device)]
+    if bias:
         rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
     return rows
 
@@ -95,9 +121,7 @@ def forward_grams(
 
     def hook(name: str) -> Any:
         def record(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-            rows = _rows(module, args[0].detach())
-            if sample:
-                rows = _sampled(rows, _outputs(module), int(args[0].shape[0]), gen)
+            rows = _rows(module, args[0].detach(), output, gen if sample else None)
             product = (rows.T @ rows).to(torch.float64)
             sums[name] = product if name not in sums else sums[name] + product
             counts[name] += rows.shape[0]
