@@ -322,15 +322,22 @@ class GramLayers:
         self.pinv = [psd_pinv(s, rcond) for s in self.den]  # S_l does not change while this group aligns
 
     def costs(self, w: Sequence[np.ndarray], skip: Collection[int] = ()) -> Iterator[np.ndarray | None]:
-        """Per client, ``C[i, j] = sum_l (w_l,i - m_kl,j) A_kl (w_l,i - m_kl,j)^T`` (None for ``skip``)."""
+        """Per client, ``C[i, j] = sum_l (w_l,i - m_kl,j) A_kl (w_l,i - m_kl,j)^T`` up to a row constant.
+
+        Row ``i``'s term ``w_l,i A_kl w_l,i^T`` does not change a client's assignment; only its sum over
+        the clients, ``w_l,i S_l w_l,i^T``, enters J. Each client's matrix carries an equal share of that
+        sum (one ``m d^2`` product per layer instead of one per client), so the chosen entries of all
+        clients still add up to J. ``None`` for a client in ``skip``.
+        """
+        shared = sum(np.einsum("ic,ic->i", wl @ s, wl) for wl, s in zip(w, self.den)) / self.n_clients
         for k in range(self.n_clients):
             if k in skip:
                 yield None
                 continue
-            cost = None
-            for wl, a, ma, rc in zip(w, self.curvatures[k], self.weighted[k], self.row_const[k]):
-                term = np.einsum("ic,ic->i", wl @ a, wl)[:, None] - 2.0 * (wl @ ma.T) + rc[None, :]
-                cost = term if cost is None else cost + term
+            cost = np.repeat(shared[:, None], w[0].shape[0], axis=1)
+            for wl, ma, rc in zip(w, self.weighted[k], self.row_const[k]):
+                cost -= 2.0 * (wl @ ma.T)
+                cost += rc[None, :]
             yield cost
 
     def moments(self, perms: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
