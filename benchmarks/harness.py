@@ -40,7 +40,7 @@ from fedfiot_flwr.client import ClientRound, train_round
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.models import permutation_spec
-from fedfiot_flwr.options import DEFAULT_GRID_LAMS, DEFAULT_GRID_RHOS, DEFAULT_LAM, DEFAULT_RHO, INITS, Model
+from fedfiot_flwr.options import DEFAULT_GRID_GRAM_ALPHAS, DEFAULT_GRID_LAMS, DEFAULT_GRID_RHOS, DEFAULT_LAM, DEFAULT_RHO, INITS, Model
 from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome
@@ -90,12 +90,15 @@ METHOD_LABELS = {
     "fedfisher-kfac": "FedFisher (K-FAC)",
     "regmean": "RegMean",
     "fedfiot-gram": "FedFiOT default preset, Gram curvature (server data only chooses)",
+    "regmean-gram": "RegMean on the same Gram replies (Linear and Conv2d, the same alpha grid)",
 }
 # The paper's curvature baselines: they need each client's curvature of its trained model,
 # computed here from the cached trained weights on the client's own unaugmented data and cached next
 # to the uploads. Not in ONE_SHOT_METHODS: FedFisher's 2000 server steps (with a validation pass
 # every 100) and the K-FAC factors of the true Fisher are slow on CPU; select them with --methods.
-CURVATURE_METHODS = ("fedfisher-diag", "fedfisher-kfac", "regmean", "fedfiot-gram")
+CURVATURE_METHODS = ("fedfisher-diag", "fedfisher-kfac", "regmean", "fedfiot-gram", "regmean-gram")
+GRAM_REPLY_METHODS = ("fedfiot-gram", "regmean-gram")
+"""Methods that merge the ClientApp's Gram reply (every Linear and Conv2d layer): the same cached replies."""
 FEDFISHER_STEPS = 2000
 """FedFisher's server steps (paper, C.2; checkpoints every 100 steps, scored on validation)."""
 
@@ -881,7 +884,7 @@ def curvature_replies(
     if method == "fedfisher-diag" and fisher_kind == "empirical":
         return CurvatureReplies(list(uploads.replies), uploads.fisher_seconds, True)
     device = device or default_device()
-    tag = method if method in ("regmean", "fedfiot-gram") else f"{method}-{fisher_kind}"
+    tag = "fedfiot-gram" if method in GRAM_REPLY_METHODS else method if method == "regmean" else f"{method}-{fisher_kind}"
     tag = tag.replace("fedfisher-kfac", "kfac").replace("regmean", "gram").replace("fedfisher-diag", "diag")
     replies: list[RecordDict] = []
     seconds, cached = 0.0, True
@@ -896,7 +899,7 @@ def curvature_replies(
         model = load_numpy(build(), uploads.float32.weights[pid])
         loader = fisher_loader(split, pid)
         t0 = time.perf_counter()
-        if method == "fedfiot-gram":  # the ClientApp's reply when the train config asks for the Gram curvature
+        if method in GRAM_REPLY_METHODS:  # the ClientApp's reply when the train config asks for the Gram curvature
             reply = fisher_reply(model, loader, uploads.quantized.metrics[pid],
                                  num_examples=len(split.client_indices[pid]), device=device,
                                  config={CURVATURE_CONFIG_KEY: "gram"})
@@ -904,7 +907,7 @@ def curvature_replies(
             reply = curvature_reply(method, model, loader, num_examples=len(split.client_indices[pid]),
                                     metrics=uploads.quantized.metrics[pid], fisher_kind=fisher_kind, device=device)
         dt = time.perf_counter() - t0
-        kind = "Gram" if method in ("regmean", "fedfiot-gram") else fisher_kind
+        kind = "Gram" if method in ("regmean", *GRAM_REPLY_METHODS) else fisher_kind
         log(f"  client {pid}: {method} curvature ({kind}) {dt:.1f}s")
         if path is not None:
             _save_reply(path, reply, {"seconds": dt, "method": method, "fisher_kind": fisher_kind})
@@ -939,7 +942,8 @@ class CurvatureMethodResult:
         """The upload this method merged (the record's ``upload`` field)."""
         return {"fedfisher-diag": "q16 weights + Fisher", "fedfisher-kfac": "q16 weights + 8-bit K-FAC",
                 "regmean": "q16 weights + 8-bit Grams",
-                "fedfiot-gram": "q16 weights + 8-bit Grams (Linear and Conv2d)"}[self.method]
+                "fedfiot-gram": "q16 weights + 8-bit Grams (Linear and Conv2d)",
+                "regmean-gram": "q16 weights + 8-bit Grams (Linear and Conv2d)"}[self.method]
 
     def record(self) -> dict[str, Any]:
         """JSON-friendly summary (no model)."""
@@ -962,6 +966,8 @@ def curvature_aggregator(method: str, steps: int = FEDFISHER_STEPS, fisher_kind:
     curvature: the default preset with server data that only chooses, which needs the model's ``spec``)."""
     if method == "regmean":
         return RegMeanAggregator()
+    if method == "regmean-gram":  # the engine without alignment, on FedFiOT's replies and alpha grid
+        return RegMeanAggregator(alphas=DEFAULT_GRID_GRAM_ALPHAS)
     if method == "fedfiot-gram":
         if spec is None:
             raise ValueError("fedfiot-gram needs the model's permutation spec")
@@ -974,6 +980,9 @@ def curvature_knobs(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str 
     """Human-readable description of a curvature baseline's selection (for the grids list)."""
     if method == "regmean":
         return "alpha [0.1, 0.9] (off-diagonal Gram scaling) [q16 weights + 8-bit rank-capped Grams, <= FedAvg bytes]"
+    if method == "regmean-gram":
+        return (f"alpha {list(DEFAULT_GRID_GRAM_ALPHAS)} (FedFiOT's Gram grid), no alignment [the fedfiot-gram "
+                "replies: q16 weights + 8-bit rank-capped Grams of every Linear and Conv2d layer]")
     if method == "fedfiot-gram":
         return ("alpha x reference x (aligned | identity | FedAvg), the default preset's sweep with the Gram "
                 "curvature [q16 weights + 8-bit rank-capped Grams of every Linear and Conv2d layer, <= FedAvg bytes]")
@@ -1015,9 +1024,10 @@ def apply_curvature_method(
         raise ValueError(f"{method} uploads rejected: {[vars(r) for r in collected.rejections]}")
     outcome = aggregator.aggregate(collected, RoundContext(1, buffers=tuple(buffers), validate=validate))
     chosen = dict(outcome.chosen)
-    chosen["swept"] = {"regmean": ["alpha"], "fedfiot-gram": ["gram_alpha", "reference", "variant"]}.get(
+    chosen["swept"] = {"regmean": ["alpha"], "regmean-gram": ["alpha"], "fedfiot-gram": ["gram_alpha", "reference", "variant"]}.get(
         method, ["best_step"])
     candidates = {"regmean": len(getattr(aggregator, "alphas", ())),
+                  "regmean-gram": len(getattr(aggregator, "alphas", ())),
                   "fedfiot-gram": len(outcome.trials)}.get(method, len(outcome.record.get("history", [])))
     moved = float(np.mean(outcome.metrics.get("alignment-moved-fraction") or [0.0]))
     curv = getattr(collected, "curvature_bytes_per_client", {})
@@ -1028,7 +1038,7 @@ def apply_curvature_method(
         curvature_bytes=float(np.mean(list(curv.values()))) if curv else 0.0,
         fedavg_bytes=fedavg_payload_bytes(uploads.float32.weights[0]),
         curvature_seconds=cr.seconds, curvature_cached=cr.cached,
-        fisher_kind=None if method in ("regmean", "fedfiot-gram") else fisher_kind, fraction_permuted=moved,
+        fisher_kind=None if method in ("regmean", *GRAM_REPLY_METHODS) else fisher_kind, fraction_permuted=moved,
     )
 
 

@@ -237,11 +237,16 @@ def test_the_harness_validates_with_the_shipped_scorer_and_scores_as_the_trainer
 def test_the_gram_curvature_row_and_its_cost_page(tmp_path: Path) -> None:
     from benchmarks import curvature_cost
 
-    payload = one_shot.main(["--quick", "--methods", "fedavg", "fedfiot-gram", "--out", str(tmp_path / "out"),
-                             "--cache-dir", str(tmp_path / "cache"), "--quiet", "--no-plots"])
+    payload = one_shot.main(["--quick", "--methods", "fedavg", "fedfiot-gram", "regmean-gram", "--out",
+                             str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--quiet", "--no-plots"])
     rows = [r for r in payload["records"] if r["method"] == "fedfiot-gram"]
     assert rows and all(0 <= r["test_accuracy"] <= 1 and r["knobs"]["curvature"] == "gram" for r in rows)
     assert all(r["upload_bytes"] <= r["fedavg_bytes"] for r in rows)
+    # RegMean merges the very replies FedFiOT's Gram row merged (read back from the cache), unaligned
+    regmean = [r for r in payload["records"] if r["method"] == "regmean-gram"]
+    assert len(regmean) == len(rows) and all(r["curvature_cached"] for r in regmean)
+    assert all(r["fraction_permuted"] == 0 and r["knobs"]["alpha"] in (0.1, 0.5, 0.9, 1.0) for r in regmean)
+    assert [r["upload_bytes"] for r in regmean] == [r["upload_bytes"] for r in rows]
     cost = curvature_cost.main(["--clients", "2", "--examples", "64", "--repeats", "1", "--out",
                                 str(tmp_path / "cost.md")])
     assert cost["gram_bytes_per_fedavg"] <= 1.0 and cost["gram_merge_per_diagonal_merge"] > 0
