@@ -99,6 +99,8 @@ METHOD_LABELS = {
 CURVATURE_METHODS = ("fedfisher-diag", "fedfisher-kfac", "regmean", "fedfiot-gram", "regmean-gram")
 GRAM_REPLY_METHODS = ("fedfiot-gram", "regmean-gram")
 """Methods that merge the ClientApp's Gram reply (every Linear and Conv2d layer): the same cached replies."""
+GRAM_METHODS = ("regmean", *GRAM_REPLY_METHODS)
+"""Methods whose curvature is the clients' input Grams (no Fisher kind)."""
 FEDFISHER_STEPS = 2000
 """FedFisher's server steps (paper, C.2; checkpoints every 100 steps, scored on validation)."""
 
@@ -884,8 +886,9 @@ def curvature_replies(
     if method == "fedfisher-diag" and fisher_kind == "empirical":
         return CurvatureReplies(list(uploads.replies), uploads.fisher_seconds, True)
     device = device or default_device()
-    tag = "fedfiot-gram" if method in GRAM_REPLY_METHODS else method if method == "regmean" else f"{method}-{fisher_kind}"
-    tag = tag.replace("fedfisher-kfac", "kfac").replace("regmean", "gram").replace("fedfisher-diag", "diag")
+    short = {"regmean": "gram", "fedfisher-kfac": "kfac", "fedfisher-diag": "diag"}
+    tag = ("fedfiot-gram" if method in GRAM_REPLY_METHODS else short[method] if method == "regmean"
+           else f"{short[method]}-{fisher_kind}")  # the cache's file names
     replies: list[RecordDict] = []
     seconds, cached = 0.0, True
     for pid in range(setting.clients):
@@ -907,7 +910,7 @@ def curvature_replies(
             reply = curvature_reply(method, model, loader, num_examples=len(split.client_indices[pid]),
                                     metrics=uploads.quantized.metrics[pid], fisher_kind=fisher_kind, device=device)
         dt = time.perf_counter() - t0
-        kind = "Gram" if method in ("regmean", *GRAM_REPLY_METHODS) else fisher_kind
+        kind = "Gram" if method in GRAM_METHODS else fisher_kind
         log(f"  client {pid}: {method} curvature ({kind}) {dt:.1f}s")
         if path is not None:
             _save_reply(path, reply, {"seconds": dt, "method": method, "fisher_kind": fisher_kind})
@@ -1024,11 +1027,12 @@ def apply_curvature_method(
         raise ValueError(f"{method} uploads rejected: {[vars(r) for r in collected.rejections]}")
     outcome = aggregator.aggregate(collected, RoundContext(1, buffers=tuple(buffers), validate=validate))
     chosen = dict(outcome.chosen)
-    chosen["swept"] = {"regmean": ["alpha"], "regmean-gram": ["alpha"], "fedfiot-gram": ["gram_alpha", "reference", "variant"]}.get(
-        method, ["best_step"])
-    candidates = {"regmean": len(getattr(aggregator, "alphas", ())),
-                  "regmean-gram": len(getattr(aggregator, "alphas", ())),
-                  "fedfiot-gram": len(outcome.trials)}.get(method, len(outcome.record.get("history", [])))
+    if isinstance(aggregator, RegMeanAggregator):
+        chosen["swept"], candidates = ["alpha"], len(aggregator.alphas)
+    elif isinstance(aggregator, FedFiOTAggregator):
+        chosen["swept"], candidates = ["gram_alpha", "reference", "variant"], len(outcome.trials)
+    else:
+        chosen["swept"], candidates = ["best_step"], len(outcome.record.get("history", []))
     moved = float(np.mean(outcome.metrics.get("alignment-moved-fraction") or [0.0]))
     curv = getattr(collected, "curvature_bytes_per_client", {})
     return CurvatureMethodResult(
@@ -1038,7 +1042,7 @@ def apply_curvature_method(
         curvature_bytes=float(np.mean(list(curv.values()))) if curv else 0.0,
         fedavg_bytes=fedavg_payload_bytes(uploads.float32.weights[0]),
         curvature_seconds=cr.seconds, curvature_cached=cr.cached,
-        fisher_kind=None if method in ("regmean", *GRAM_REPLY_METHODS) else fisher_kind, fraction_permuted=moved,
+        fisher_kind=None if method in GRAM_METHODS else fisher_kind, fraction_permuted=moved,
     )
 
 

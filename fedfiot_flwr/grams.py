@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from fedfiot_flwr.fisher import _conv2d_padding, gradient_mode
+from fedfiot_flwr.fisher import _conv2d_padding, _patches, gradient_mode, patch_view
 from fedfiot_flwr.task import split_batch
 
 
@@ -42,20 +41,13 @@ def _subset(n: int, d_in: int, d_out: int, examples: int, gen: torch.Generator |
 
 
 def _patch_view(module: nn.Conv2d, x: torch.Tensor, out_hw: tuple[int, int]) -> torch.Tensor:
-    """The convolution's input patches as ``(B, H', W', C_in, k_h, k_w)``, a strided view where it can be.
-
-    Indexing the view's first three axes copies only the patches a sample keeps.
-    """
+    """The convolution's input patches as ``(B, H', W', C_in, k_h, k_w)``, a strided view where it can be."""
     padding = _conv2d_padding(module)
     if padding is None or module.groups != 1:
         raise ValueError(f"input Grams: Conv2d {module} needs groups=1 and zero padding given as numbers")
-    (kh, kw), (sh, sw) = module.kernel_size, module.stride
-    if tuple(module.dilation) != (1, 1):
-        u = F.unfold(x, module.kernel_size, module.dilation, padding, module.stride)
-        return u.transpose(1, 2).reshape(x.shape[0], *out_hw, module.in_channels, kh, kw)
-    if padding != (0, 0):
-        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
-    return x.unfold(2, kh, sh).unfold(3, kw, sw).permute(0, 2, 3, 1, 4, 5)
+    if tuple(module.dilation) != (1, 1):  # unfolded patches, every one copied
+        return _patches(module, x, padding).reshape(x.shape[0], *out_hw, module.in_channels, *module.kernel_size)
+    return patch_view(module, x, padding)
 
 
 def _rows(module: nn.Module, x: torch.Tensor, output: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
