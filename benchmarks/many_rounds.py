@@ -7,22 +7,26 @@ in the same order (the order's seed depends on the run seed, the round and the c
 and answered as each strategy expects: Flower's float32 ``ArrayRecord`` for ``FedAvg``,
 :func:`fedfiot_flwr.fisher_reply` for FedFiOT (which skips the Fisher pass when the round's
 train config says the server will not use it). Partial participation samples clients with
-Flower's own sampling, seeded identically for every method. No server data (except for
-``fedfiot-server-data``): FedFiOT runs as a user who swaps it into a Flower app without a
-``validate_fn`` gets it.
+Flower's own sampling, seeded identically for every method. Every method has Flower's evaluation
+step: each node scores the models it is sent on its own held-out examples (a fifth as many as it
+trains on, from the part of its partition ``--train-fraction`` leaves unused, else from its
+share). No server data (except for ``fedfiot-server-data``): FedFiOT runs as a user who swaps it
+into a Flower app without a ``validate_fn`` gets it.
 
 Methods (``--methods``): ``fedavg`` (Flower's ``FedAvg``), ``fedfiot`` (``FedFiOTConfig.default()``
-as shipped) and ``fedfiot-every-round`` (the default with the Fisher-weighted merge in every
-round, ``fisher_rounds=None``: what the default did before it learned to hand over to the
-size-weighted average), ``fedfiot-r<N>`` (the default with ``fisher_rounds=N``) and
-``fedfiot-server-data`` (the default given half of the server's held-out examples as
-``server_data``: it chooses each round's merge on them, FedAvg of the same uploads included).
+as shipped: the clients' evaluation chooses between each round's merge and FedAvg of the same
+uploads, and hands over to FedAvg after two FedAvg wins in a row), ``fedfiot-gram`` (the same with
+the Gram curvature), ``fedfiot-every-round`` (the Fisher-weighted merge in every round, no
+choice), ``fedfiot-clients-every-round`` (the clients' choice without the hand-over),
+``fedfiot-r<N>`` (the Fisher in rounds 1 to N, no choice) and ``fedfiot-server-data`` (the
+default given half of the server's held-out examples as ``server_data``: it chooses each round's
+merge on them, FedAvg of the same uploads included).
 
 Per round and method: test accuracy and loss (the data set's test set), validation accuracy and
 loss (the other half of the split's held-out server examples, never used by any method: it is
-where a default is chosen), the fraction of neurons the alignment moved, the bytes received, the client seconds
-(training; the reply: Fisher pass and packing; mean per client) and the server seconds
-(``aggregate_train``).
+where a default is chosen), the clients' choice, the fraction of neurons the alignment moved, the
+array bytes sent and received, the client seconds (training; the reply: Fisher pass and packing;
+mean per client), the server seconds (``aggregate_train``) and the round's wall time.
 
 Run:
 
@@ -48,7 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch.utils.data import DataLoader, Subset
@@ -64,7 +68,8 @@ from fedfiot_flwr.data import federated_split, load_dataset  # noqa: E402
 from fedfiot_flwr.models import build_model  # noqa: E402
 from fedfiot_flwr.task import train as local_train  # noqa: E402
 
-METHODS = ("fedavg", "fedfiot", "fedfiot-every-round", "fedfiot-server-data")
+METHODS = ("fedavg", "fedfiot", "fedfiot-gram", "fedfiot-every-round", "fedfiot-clients-every-round",
+           "fedfiot-server-data")
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class Federation:
     """The data of one setting: each client's examples, the server's held-out fold and the test set."""
 
     clients: list[Subset]
+    client_eval: list[Subset]
     validation: Subset
     server_data: Subset
     test: Any
@@ -125,7 +131,12 @@ class Federation:
 
 
 def build_federation(setting: RoundsSetting) -> Federation:
-    """The split of ``setting`` (IID when ``alpha`` is 0), each client cut to ``train_fraction``."""
+    """The split of ``setting`` (IID when ``alpha`` is 0), each client cut to ``train_fraction``.
+
+    Each client also holds out examples of its own partition for its evaluate step, a fifth as many as it
+    trains on: from the part of its partition ``train_fraction`` leaves unused when that is large
+    enough (the training examples stay those of a run without the hold-out), else from its kept share.
+    """
     bundle = load_dataset(setting.dataset)
     split = federated_split(bundle, num_partitions=setting.clients, alpha=setting.alpha or 1.0, partition_seed=0)
     rng = np.random.default_rng(0)
@@ -134,10 +145,20 @@ def build_federation(setting: RoundsSetting) -> Federation:
         parts = np.array_split(pooled, setting.clients)
     else:
         parts = [rng.permutation(idx) for idx in split.client_indices]
-    keep = [p[: max(1, round(len(p) * setting.train_fraction))] for p in parts]
+    keep, own_eval = [], []
+    for p in parts:
+        n = max(1, round(len(p) * setting.train_fraction))
+        n_eval = max(1, round(0.2 * n))
+        if len(p) - n >= n_eval:
+            keep.append(p[:n])
+            own_eval.append(p[n:n + n_eval])
+        else:
+            keep.append(p[: max(1, n - n_eval)])
+            own_eval.append(p[max(1, n - n_eval):n])
     held_out = split.validation_indices
     half = len(held_out) // 2  # the server's own labelled examples and the fold that reports, apart
     return Federation([Subset(bundle.train, idx.tolist()) for idx in keep],
+                      [Subset(bundle.train_eval, idx.tolist()) for idx in own_eval],
                       Subset(bundle.train_eval, held_out[half:].tolist()), Subset(bundle.train_eval, held_out[:half].tolist()),
                       bundle.test, tuple(bundle.input_shape), int(bundle.num_classes))
 
@@ -149,6 +170,10 @@ class InProcessGrid(Grid):
         self.nodes = nodes
         self._run: Any = None
         self._count = 0
+        self.sent_bytes: dict[int, int] = {}
+        """Per round, the array bytes of every message sent (training and evaluation)."""
+        self.received_bytes: dict[int, int] = {}
+        """Per round, the array bytes of every reply received."""
 
     def set_run(self, run_id: int) -> None:  # noqa: D102 - Grid's interface
         self._run = run_id
@@ -179,7 +204,17 @@ class InProcessGrid(Grid):
         """Answer every message with its node's function, in order."""
         messages = list(messages)
         self.push_messages(messages)
-        return [self.nodes[int(m.metadata.dst_node_id)](m) for m in messages]
+        replies = [self.nodes[int(m.metadata.dst_node_id)](m) for m in messages]
+        for msg, reply in zip(messages, replies):
+            r = int(msg.content.config_records.get("config", {}).get("server-round", 0))
+            self.sent_bytes[r] = self.sent_bytes.get(r, 0) + array_bytes(msg.content)
+            self.received_bytes[r] = self.received_bytes.get(r, 0) + array_bytes(reply.content)
+        return replies
+
+
+def array_bytes(content: RecordDict) -> int:
+    """The bytes of every array a message carries."""
+    return sum(len(a.data) for record in content.array_records.values() for a in record.values())
 
 
 @dataclass
@@ -199,13 +234,19 @@ class ClientTimes:
 
 def client_node(setting: RoundsSetting, fed: Federation, pid: int, method: str,
                 times: ClientTimes) -> Callable[[Message], Message]:
-    """Node ``pid``'s ClientApp: load the broadcast model, train, answer as ``method`` expects."""
+    """Node ``pid``'s ClientApp: load the broadcast model, train, answer as ``method`` expects; or, for an
+    evaluate message, score it on the node's own held-out examples (loss, accuracy, their count)."""
+    eval_batches = list(DataLoader(fed.client_eval[pid], batch_size=1000))
 
     def answer(msg: Message) -> Message:
         config = msg.content["config"]
         server_round = int(config.get("server-round", 0))
         model = build_model(setting.model, fed.input_shape, fed.num_classes, seed=setting.seed)
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            loss, accuracy = evaluate(model, eval_batches, device="cpu")
+            metrics = {"eval-loss": loss, "eval-accuracy": accuracy, "num-examples": len(fed.client_eval[pid])}
+            return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
         seed = client_round_seed(setting.seed, server_round, pid)
         torch.manual_seed(seed)
         data = fed.clients[pid]
@@ -244,23 +285,28 @@ def adam_train(model: torch.nn.Module, loader: DataLoader, epochs: int, lr: floa
 
 
 def make_strategy(method: str, model: torch.nn.Module, fraction_train: float, server_data: Any) -> FedAvg:
-    """The server strategy of ``method``, sampling ``fraction_train`` of the clients, no server evaluation.
+    """The server strategy of ``method``, sampling ``fraction_train`` of the clients; every node evaluates.
 
     ``server_data`` (labelled examples) is given to ``fedfiot-server-data`` only: the default then
     chooses its merge (aligned, identity or FedAvg of the same uploads) on them every round.
     """
-    common = {"fraction_train": fraction_train, "fraction_evaluate": 0.0, "min_train_nodes": 2,
-              "min_available_nodes": 2}
+    common = {"fraction_train": fraction_train, "fraction_evaluate": 1.0, "min_train_nodes": 2,
+              "min_evaluate_nodes": 2, "min_available_nodes": 2}
+    fixed = {"round_choice": "none"}  # a fixed number of curvature rounds, without the clients' choice
+    configs = {
+        "fedfiot": None,
+        "fedfiot-gram": FedFiOTConfig.default(curvature="gram"),
+        "fedfiot-every-round": FedFiOTConfig.default(fisher_rounds=None, **fixed),
+        "fedfiot-clients-every-round": FedFiOTConfig.default(handover_after=10**6),
+    }
     if method == "fedavg":
         return FedAvg(**common)
-    if method == "fedfiot":
-        return FedFiOT(model=model, **common)
     if method == "fedfiot-server-data":
         return FedFiOT(model=model, server_data=server_data, **common)
-    if method == "fedfiot-every-round":
-        return FedFiOT(model=model, config=FedFiOTConfig.default(fisher_rounds=None), **common)
+    if method in configs:
+        return FedFiOT(model=model, config=configs[method], **common)
     if method.startswith("fedfiot-r") and method[len("fedfiot-r"):].isdigit():
-        return FedFiOT(model=model, config=FedFiOTConfig.default(fisher_rounds=int(method[len("fedfiot-r"):])),
+        return FedFiOT(model=model, config=FedFiOTConfig.default(fisher_rounds=int(method[len("fedfiot-r"):]), **fixed),
                        **common)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS} or fedfiot-r<N>")
 
@@ -337,17 +383,25 @@ def run_method(setting: RoundsSetting, fed: Federation, method: str) -> list[dic
     diagnostics: dict[int, dict[str, float]] = {}
     val_batches = list(DataLoader(fed.validation, batch_size=1000))
 
+    wall: dict[int, float] = {}
+    clock = [time.perf_counter()]
+
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        wall[server_round] = time.perf_counter() - clock[0]  # the round, without this scoring
         scores[server_round] = (*test(arrays), *val(arrays))
         if server_round > 0:
             diagnostics[server_round] = merge_diagnostics(model, strategy, val_batches)
+        clock[0] = time.perf_counter()
         return MetricRecord({"test-accuracy": scores[server_round][0]})
 
     random.seed(setting.seed)  # Flower samples clients with `random`: the same draws for every method
     initial = ArrayRecord(build_model(setting.model, fed.input_shape, fed.num_classes, seed=setting.seed).state_dict())
     strategy.start(grid, initial, num_rounds=setting.rounds, evaluate_fn=evaluate)
-    return [{**round_record(setting, method, r, scores[r], times, server_s, getattr(strategy, "server_metrics", {})),
-             "diagnostics": diagnostics.get(r, {})} for r in sorted(scores)]
+    server_metrics = getattr(strategy, "server_metrics", {})
+    return [{**round_record(setting, method, r, scores[r], times, server_s, server_metrics),
+             "round_s": wall.get(r, 0.0) if r > 0 else 0.0, "bytes_sent": grid.sent_bytes.get(r, 0),
+             "bytes_replied": grid.received_bytes.get(r, 0), "diagnostics": diagnostics.get(r, {})}
+            for r in sorted(scores)]
 
 
 def round_record(setting: RoundsSetting, method: str, r: int, score: tuple[float, float, float, float],
@@ -361,6 +415,7 @@ def round_record(setting: RoundsSetting, method: str, r: int, score: tuple[float
         "test_accuracy": score[0], "test_loss": score[1], "val_accuracy": score[2], "val_loss": score[3],
         "moved_fraction": None if moved is None else float(np.mean(np.asarray(moved, dtype=float))),
         "fisher_used": metrics.get("fisher-used"), "bytes_received": metrics.get("bytes-received"),
+        "clients_kept_merge": metrics.get("clients-kept-merge"),
         "client_train_s": times.train.get(r, 0.0) / count, "client_reply_s": times.fisher.get(r, 0.0) / count,
         "server_s": server_s.get(r, 0.0),
     }
@@ -398,17 +453,47 @@ def margin_table(records: Sequence[dict[str, Any]], setting: str, methods: Seque
 
 
 def cost_table(records: Sequence[dict[str, Any]], setting: str, methods: Sequence[str]) -> list[str]:
-    """Mean seconds per round: client training, client Fisher pass, server aggregation."""
-    lines = ["| method | client train s | client reply s (Fisher pass, packing) | server s | rounds with Fisher |", "|---|---|---|---|---|"]
+    """Mean seconds per round (client training, client Fisher pass, server aggregation, the whole round and
+    its ratio to FedAvg's, overall and in the rounds without the curvature) and array bytes per round."""
+    lines = ["| method | client train s | client reply s (Fisher pass, packing) | server s | round s | "
+             "round / FedAvg's | without the curvature: round / FedAvg's | MB sent + received per round | "
+             "rounds with Fisher |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def rounds_of(method: str) -> list[dict[str, Any]]:
+        return [r for r in records if r["setting"] == setting and r["method"] == method and r["round"] > 0]
+
+    base = np.mean([r.get("round_s", 0.0) for r in rounds_of("fedavg")]) if rounds_of("fedavg") else float("nan")
     for method in methods:
-        recs = [r for r in records if r["setting"] == setting and r["method"] == method and r["round"] > 0]
+        recs = rounds_of(method)
         if not recs:
             continue
         used = sorted({r["round"] for r in recs if r["fisher_used"]})
+        wall = np.mean([r.get("round_s", 0.0) for r in recs])
+        plain = [r.get("round_s", 0.0) for r in recs if not r["fisher_used"]]
+        plain_ratio = f"{np.mean(plain) / base:.2f}" if plain and method != "fedavg" else "-"
+        mb = np.mean([(r.get("bytes_sent", 0) + r.get("bytes_replied", 0)) / 2**20 for r in recs])
         lines.append(f"| {method} | {np.mean([r['client_train_s'] for r in recs]):.2f} | "
                      f"{np.mean([r['client_reply_s'] for r in recs]):.2f} | {np.mean([r['server_s'] for r in recs]):.2f} | "
+                     f"{wall:.2f} | {wall / base:.2f} | {plain_ratio} | {mb:.2f} | "
                      f"{(str(used[0]) + '-' + str(used[-1])) if used else '-'} |")
     return lines
+
+
+def choice_table(records: Sequence[dict[str, Any]], setting: str, methods: Sequence[str]) -> list[str]:
+    """Per method and seed, the clients' choice of every round: 1 the merge, 0 FedAvg, ``-`` no choice."""
+    rows = []
+    for method in methods:
+        recs = [r for r in records if r["setting"] == setting and r["method"] == method and r["round"] > 0]
+        if not any(r.get("clients_kept_merge") is not None for r in recs):
+            continue
+        for seed in sorted({r["seed"] for r in recs}):
+            marks = "".join("-" if r.get("clients_kept_merge") is None else str(int(r["clients_kept_merge"]))
+                            for r in sorted((r for r in recs if r["seed"] == seed), key=lambda r: r["round"]))
+            rows.append(f"| {method} | {seed} | `{marks}` |")
+    if not rows:
+        return []
+    return ["The clients' choice from round 1 on (1: the merge went on, 0: FedAvg of the same uploads, -: no "
+            "choice, the curvature was not used):", "", "| method | seed | rounds |", "|---|---|---|", *rows]
 
 
 def diagnostics_table(records: Sequence[dict[str, Any]], setting: str, methods: Sequence[str]) -> list[str]:
@@ -441,6 +526,9 @@ def markdown(payload: dict[str, Any]) -> str:
             lines += [f"Neurons moved by the alignment: mean {100 * np.mean(moved):.2f} %, "
                       f"largest {100 * np.max(moved):.2f} % (over rounds, seeds and FedFiOT variants).", ""]
         lines += cost_table(records, setting, methods) + [""]
+        choice = choice_table(records, setting, methods)
+        if choice:
+            lines += choice + [""]
         diag = diagnostics_table(records, setting, methods)
         if diag:
             lines += ["What a Fisher-weighted round returns against FedAvg of the same uploads, on the held-out "

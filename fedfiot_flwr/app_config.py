@@ -35,6 +35,7 @@ from fedfiot_flwr.options import (
     MATCHINGS,
     PRESETS,
     REFERENCES,
+    ROUND_CHOICES,
     SELECTIONS,
     STRATEGIES,
 )
@@ -162,6 +163,8 @@ def rules() -> dict[str, Rule]:
         "gram_alpha": Rule("a number in [0, 1]", lambda v: 0 <= v <= 1),
         "preset": Rule(_one_of(PRESETS), lambda v: v in PRESETS),
         "fallback": Rule(_one_of(SELECTIONS) + ", or empty (the preset's)", lambda v: v == "" or v in SELECTIONS),
+        "round_choice": Rule(_one_of(ROUND_CHOICES) + ", or empty (the preset's)",
+                             lambda v: v == "" or v in ROUND_CHOICES),
         "sweep": Rule("true or false", lambda v: isinstance(v, bool)),
         "server_refine": Rule("true or false", lambda v: isinstance(v, bool)),
         "sweep_rho": Rule("comma-separated numbers in (0, 1], e.g. '0.3,0.5'",
@@ -294,6 +297,10 @@ class AppConfig:
     fisher_rounds
         :attr:`fedfiot_flwr.FedFiOTConfig.fisher_rounds`: -1 the preset's, 0 every round, ``n``
         rounds 1 to ``n`` with the Fisher and FedAvg afterwards.
+    round_choice
+        :attr:`fedfiot_flwr.FedFiOTConfig.round_choice` (empty: the preset's): ``clients``, the
+        clients' evaluation chooses between each round's merge and FedAvg when the run has no
+        validation set; ``none``, it does not.
     sweep, sweep_rho, sweep_lam, sweep_reference, sweep_fisher_scaling
         Server-side selection on the validation set over the grid (comma-separated lists).
     server_refine
@@ -356,6 +363,7 @@ class AppConfig:
     preset: str = "default"
     fallback: str = ""
     fisher_rounds: int = -1
+    round_choice: str = ""
     sweep: bool = True
     server_refine: bool = False
     sweep_rho: str = ",".join(f"{v:g}" for v in DEFAULT_GRID_RHOS)

@@ -13,19 +13,21 @@ here, so a name is spelled once and a default is set once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 __all__ = [
     "AGGREGATIONS",
     "BACKENDS",
+    "CANDIDATE_CONFIG_KEY",
     "CLIENT_FISHER_KINDS",
     "COST_DTYPES",
     "CURVATURES",
     "CURVATURE_CONFIG_KEY",
     "GRAM_SCALINGS",
     "DEFAULT_FISHER_ROUNDS",
+    "DEFAULT_HANDOVER_AFTER",
     "DEFAULT_LAM",
     "DEFAULT_MAX_ITERS",
     "DEFAULT_RHO",
@@ -47,10 +49,13 @@ __all__ = [
     "ModelView",
     "PRESETS",
     "REFERENCES",
+    "ROUND_CHOICES",
     "SELECTIONS",
     "SERVER_FISHER_KINDS",
     "STRATEGIES",
     "alignment_kept",
+    "client_score_key",
+    "merge_kept_by_clients",
     "uses_fisher",
 ]
 
@@ -108,6 +113,15 @@ DEFAULT_FISHER_ROUNDS = 3
 """Rounds in which the default merges with the Fisher (then the size-weighted average, as FedAvg)."""
 FISHER_CONFIG_KEY = "fedfiot-fisher"
 """Train-config entry telling a client whether this round's server uses its Fisher (``False``: skip the pass)."""
+ROUND_CHOICES = ("clients", "none")
+"""Who chooses between a round's merge and FedAvg of the same uploads without server data: the clients'
+evaluation step (each sampled node scores both; the better accuracy, or loss, goes on), or nobody (the merge goes on)."""
+DEFAULT_HANDOVER_AFTER = 2
+"""With the clients' choice: after FedAvg of the same uploads wins this many rounds in a row, the later rounds
+are FedAvg and the clients skip the curvature pass."""
+CANDIDATE_CONFIG_KEY = "fedfiot-candidate"
+"""Evaluate-config entry, ``"fedavg"``, of the second evaluate message the clients' choice sends a node (the one
+with FedAvg of the same uploads), for a client that wants to know; an ordinary evaluate handler ignores it."""
 CURVATURE_CONFIG_KEY = "fedfiot-curvature"
 """Train-config entry naming the curvature the server merges with (one of :data:`CURVATURES`; absent: the
 diagonal Fisher). ``"gram"``: the client sends its layers' input Grams in place of the Fisher."""
@@ -125,6 +139,41 @@ def uses_fisher(server_round: int, fisher_rounds: int | None) -> bool:
     ([True, True, False], True)
     """
     return fisher_rounds is None or server_round <= fisher_rounds
+
+
+def client_score_key(names: Iterable[str]) -> tuple[str, bool] | None:
+    """The clients' evaluation metric the clients' choice compares, and whether higher is better.
+
+    An accuracy (the first name, in sorted order, ending in ``accuracy`` or ``acc``: ``eval-accuracy``,
+    ``eval_acc``) when the clients report one, else a loss (ending in ``loss``); ``None`` when neither.
+    Accuracy first: on label-skewed clients the first round's curvature-weighted merge can have the
+    lower loss and the lower accuracy (benchmarks/results/many_rounds_choice_fashion_dir.md).
+
+    >>> client_score_key(["eval-accuracy", "eval-loss"]), client_score_key(["eval_loss"]), client_score_key(["n"])
+    (('eval-accuracy', True), ('eval_loss', False), None)
+    """
+    names = sorted(names)
+    for ends, higher in ((("accuracy", "acc"), True), (("loss",), False)):
+        key = next((n for n in names if n.lower().endswith(ends)), None)
+        if key is not None:
+            return key, higher
+    return None
+
+
+def merge_kept_by_clients(merge_score: float, fedavg_score: float, higher_is_better: bool) -> bool:
+    """The clients' choice: the merge goes on only when its score on their evaluation is strictly better than
+    FedAvg's of the same uploads; a tie goes on with FedAvg, a non-finite score loses to a finite one.
+
+    >>> merge_kept_by_clients(0.8, 0.7, True), merge_kept_by_clients(0.6, 0.6, False)
+    (True, False)
+    >>> merge_kept_by_clients(float("nan"), 1.0, False), merge_kept_by_clients(2.0, float("inf"), False)
+    (False, True)
+    """
+    if not np.isfinite(fedavg_score):
+        return bool(np.isfinite(merge_score))
+    if not np.isfinite(merge_score):
+        return False
+    return bool(merge_score > fedavg_score if higher_is_better else merge_score < fedavg_score)
 
 
 # --- the paper's selection grid ----------------------------------------------------------------

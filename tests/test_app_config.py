@@ -52,6 +52,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("gram-alpha", 1.5, "a number in [0, 1]"),
     ("preset", "fast", "one of default, paper"),
     ("fallback", "fedavg", "one of objective, validation, none, or empty"),
+    ("round-choice", "server", "one of clients, none, or empty"),
     ("sweep", "maybe", "true or false"),
     ("server-refine", 3, "true or false"),
     ("sweep-rho", "0.2,abc", "comma-separated numbers in (0, 1]"),

@@ -111,7 +111,9 @@ def _stop(pids: list[int], grace: float = 10.0) -> None:
 def test_plain_flwr_run_follows_the_default_federation(tmp_path: Path) -> None:
     """Plain ``flwr run . --stream`` (no overrides, no --federation-config): Flower's managed
     local SuperLink with its default federation (2 simulated SuperNodes in flwr 1.42) runs
-    the default app to the end with K = the number of SuperNodes (num-partitions = 0)."""
+    the default app to the end with K = the number of SuperNodes (num-partitions = 0). Without a
+    validation set, the clients' evaluation chooses the round's model: each SuperNode answers two
+    evaluate messages of the same round."""
     app = tmp_path / "app"
     app.mkdir()
     for name in ("pyproject.toml", "README.md", "server_app.py", "client_app.py"):
@@ -123,6 +125,7 @@ def test_plain_flwr_run_follows_the_default_federation(tmp_path: Path) -> None:
     text = (app / "pyproject.toml").read_text()
     text = re.sub(r"(?m)^local-epochs = \d+", "local-epochs = 5", text)
     text = re.sub(r'(?m)^sweep-rho = "[^"]*"', 'sweep-rho = "0.3,0.5"', text)
+    text = re.sub(r"(?m)^validation-size = \d+", "validation-size = 0", text)
     (app / "pyproject.toml").write_text(text)
     pyproject = (app / "pyproject.toml").read_bytes()
     home = tmp_path / "flwr-home"
@@ -162,6 +165,8 @@ def test_plain_flwr_run_follows_the_default_federation(tmp_path: Path) -> None:
     assert cfg["num-partitions"] == 2 and cfg["dataset"] == "digits" and cfg["num-server-rounds"] == 1
     (rnd,) = data["rounds"]
     assert len(rnd["clients"]) == 2 and rnd["rejected"] == []
+    assert rnd["clients_choice"]["nodes"] == 2 and rnd["clients_choice"]["kept"] in ("merge", "fedavg")
+    assert re.search(r"FedFiOT round 1 \(clients' evaluation\): (the merge|FedAvg of the same uploads) goes on", out)
     assert data["final"]["test"]["accuracy"] > data["initial_test"]["accuracy"]
     assert re.search(r"FINAL test accuracy after 1 round\(s\): FedFiOT \d+\.\d+% \| FedAvg on the same uploads \d+\.\d+%", out)
     assert (app / "pyproject.toml").read_bytes() == pyproject  # flwr run did not rewrite it

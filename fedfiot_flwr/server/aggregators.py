@@ -115,6 +115,8 @@ class FedFiOTAggregator:
         self.settings = config
         self.reply_kind = "gram" if config.curvature == "gram" else "fisher"
         self._told_close = False
+        self.handover_round: int | None = None
+        """The first round the clients' choice made FedAvg without the curvature (``None``: not yet)."""
 
     def config(self) -> dict[str, Any]:
         """The FedFiOT configuration."""
@@ -129,8 +131,27 @@ class FedFiOTAggregator:
         """Largest Fisher entry a reply may carry (``None``: any finite one, which the robust cap neutralises)."""
         return fisher_bound_for(self.settings.fisher_cap)
 
+    @property
+    def clients_choose(self) -> bool:
+        """Whether the clients' evaluation chooses between each round's merge and FedAvg (``round_choice``)."""
+        return self.settings.round_choice == "clients"
+
+    def hand_over(self, from_round: int) -> None:
+        """Make round ``from_round`` and every later one FedAvg without the clients' curvature (the clients' choice)."""
+        self.handover_round = int(from_round)
+
+    @property
+    def handover_reason(self) -> str:
+        """Why the rounds after the hand-over are FedAvg, in words."""
+        if self.handover_round is not None:
+            return f"FedAvg won the clients' evaluation {self.settings.handover_after} rounds in a row"
+        return "fisher_rounds"
+
     def wants_fisher(self, server_round: int) -> bool:
-        """Whether round ``server_round`` merges with the clients' curvature (``fisher_rounds``)."""
+        """Whether round ``server_round`` merges with the clients' curvature (``fisher_rounds``, or until the
+        clients' choice hands over)."""
+        if self.handover_round is not None and server_round >= self.handover_round:
+            return False
         return uses_fisher(server_round, self.settings.fisher_rounds)
 
     def train_config(self, server_round: int) -> dict[str, Any]:

@@ -10,9 +10,12 @@ Two named configurations:
   whichever of the aligned merge, the identity merge and FedAvg of the same uploads validates
   best, and tries the Fisher scaled by client size in the grid; FedFiOT's own merge is always
   reported next to a FedAvg win, and no client's Fisher may exceed ``DEFAULT_FISHER_CAP`` times the
-  clients' median (robust weighting). Without validation data its merge rule is the paper's. After
-  ``DEFAULT_FISHER_ROUNDS`` rounds it averages the weights by client size, as FedAvg does, and the
-  clients skip the Fisher pass (``fisher_rounds``).
+  clients' median (robust weighting). Without validation data its merge rule is the paper's, and the
+  clients' evaluation step chooses each round between the merge and FedAvg of the same uploads
+  (``round_choice="clients"``); once FedAvg has won ``handover_after`` rounds in a row, the later rounds
+  average the weights by client size and the clients skip the curvature pass. With no evaluation step
+  to choose (``fraction_evaluate=0``), or with validation data, that hand-over comes after
+  ``DEFAULT_FISHER_ROUNDS`` rounds instead (``fisher_rounds``).
 
 Neither configuration trains on server data: fitting the model on the server's labelled examples
 is a separate post-merge stage the strategy runs only when asked (``refine=RefineOptions()``,
@@ -35,11 +38,13 @@ from fedfiot_flwr.options import (
     DEFAULT_FISHER_ROUNDS,
     DEFAULT_GRAM_ALPHA,
     DEFAULT_GRAM_CAP,
+    DEFAULT_HANDOVER_AFTER,
     DEFAULT_LAM,
     DEFAULT_MAX_ITERS,
     DEFAULT_RHO,
     FISHER_CAP_RULES,
     REFERENCES,
+    ROUND_CHOICES,
     SELECTIONS,
 )
 from fedfiot_flwr.server.selection import Candidate, SweepGrid
@@ -114,10 +119,24 @@ class FedFiOTConfig:
         reference and scaling, one grid step away; :mod:`fedfiot_flwr.server.warm_starts`).
         Faster, but not the paper's cold start: it can change the choice, so it is opt-in.
     fisher_rounds : int or None
-        Merge with the clients' Fisher in rounds 1 to ``fisher_rounds`` only; afterwards the round
-        is the size-weighted average of the weights (FedAvg of the same uploads) and the train
-        config tells the clients to skip the Fisher pass (:func:`fedfiot_flwr.options.uses_fisher`).
-        ``None``: every round (the paper).
+        When the clients do not choose (``round_choice="none"``, no evaluation step, or validation
+        data on the server): merge with the clients' curvature in rounds 1 to ``fisher_rounds``
+        only; afterwards the round is the size-weighted average of the weights (FedAvg of the same
+        uploads) and the train config tells the clients to skip the curvature pass
+        (:func:`fedfiot_flwr.options.uses_fisher`). ``None``: every round (the paper).
+    round_choice : {"clients", "none"}
+        Without validation data on the server, who chooses between each round's merge and FedAvg
+        of the same uploads (:data:`fedfiot_flwr.options.ROUND_CHOICES`). ``"clients"``: every node
+        sampled for the round's evaluation step gets both models, as two evaluate messages its
+        ordinary evaluate handler answers, and the merge goes on only when its example-weighted
+        accuracy (or, without one, loss) over the nodes that scored both is better
+        (:func:`~fedfiot_flwr.options.merge_kept_by_clients`); the chosen model is the round's
+        global model (what ``evaluate_fn`` scores, what the next round starts from). Active only
+        when the strategy has an evaluation step (``fraction_evaluate > 0``) and no validation
+        data; then ``fisher_rounds`` does not apply. ``"none"``: the merge goes on.
+    handover_after : int
+        With the clients' choice: after FedAvg has won this many rounds in a row, the later
+        rounds are FedAvg of the uploads and the clients skip the curvature pass.
     race : bool
         When the validation function offers ``validate_bounded`` (the one of
         :func:`fedfiot_flwr.validation.make_validate_fn` does), stop scoring a candidate as soon
@@ -162,6 +181,8 @@ class FedFiOTConfig:
     warm_start: bool = False
     race: bool = True
     fisher_rounds: int | None = None
+    round_choice: str = "none"
+    handover_after: int = DEFAULT_HANDOVER_AFTER
     curvature: str = "diagonal"
     gram_alpha: float = DEFAULT_GRAM_ALPHA
     gram_ridge: float = 0.0
@@ -189,6 +210,10 @@ class FedFiOTConfig:
         if self.fisher_rounds is not None and (isinstance(self.fisher_rounds, bool)
                                                or not isinstance(self.fisher_rounds, int) or self.fisher_rounds < 1):
             raise ValueError(f"fisher_rounds must be an integer >= 1, or None for every round, got {self.fisher_rounds!r}")
+        if self.round_choice not in ROUND_CHOICES:
+            raise ValueError(f"round_choice must be one of {ROUND_CHOICES}, got {self.round_choice!r}")
+        if isinstance(self.handover_after, bool) or not isinstance(self.handover_after, int) or self.handover_after < 1:
+            raise ValueError(f"handover_after must be an integer >= 1, got {self.handover_after!r}")
         MergeOptions(curvature=self.curvature, gram_alpha=self.gram_alpha, gram_ridge=self.gram_ridge,
                      matching=self.matching, aggregation=self.aggregation)  # validates the curvature's options
         for name in ("warm_start", "race"):
@@ -217,7 +242,7 @@ class FedFiOTConfig:
         """This project's default: validation chooses among aligned, identity and FedAvg of the same uploads."""
         base = cls(name="default", selection="validation", sweep=SweepGrid(fisher_scalings=("none", "size")),
                    fedavg_candidate=True, fisher_cap=DEFAULT_FISHER_CAP, certify=True,
-                   fisher_rounds=DEFAULT_FISHER_ROUNDS)
+                   fisher_rounds=DEFAULT_FISHER_ROUNDS, round_choice="clients")
         return replace(base, **changes)
 
     @classmethod
@@ -232,16 +257,21 @@ class FedFiOTConfig:
         selection = "objective" if self.selection == "validation" else self.selection
         return replace(self, selection=selection, sweep=None, fedavg_candidate=False)
 
-    def for_server(self, has_validation: bool, refining: bool = False) -> FedFiOTConfig:
-        """The configuration that runs given what the server holds.
+    def for_server(self, has_validation: bool, refining: bool = False, clients_evaluate: bool = True) -> FedFiOTConfig:
+        """The configuration that runs given what the server holds and whether the clients evaluate.
 
         Without validation data: :meth:`without_validation`. With a refinement stage after the
         merge, FedAvg of the same uploads is not a merge candidate (the refinement's candidates,
-        the merge and every client, are the safety net).
+        the merge and every client, are the safety net). The clients' choice runs only without
+        validation data and with an evaluation step (``clients_evaluate``); then its hand-over
+        replaces ``fisher_rounds`` (``None`` in the result), otherwise ``round_choice`` is ``"none"``.
         """
+        if self.round_choice == "clients" and not has_validation and clients_evaluate:
+            return replace(self.without_validation(), fisher_rounds=None)
+        cfg = replace(self, round_choice="none")
         if not has_validation:
-            return self.without_validation()
-        return replace(self, fedavg_candidate=False) if refining else self
+            return cfg.without_validation()
+        return replace(cfg, fedavg_candidate=False) if refining else cfg
 
     def describe(self, has_validation: bool) -> str:
         """What the merge does each round, in plain words (for the strategy's start-up line)."""
@@ -253,6 +283,10 @@ class FedFiOTConfig:
                 "none": "always the aligned merge"}[cfg.selection]
         then = ("" if cfg.fisher_rounds is None else
                 f"; from round {cfg.fisher_rounds + 1} on, the size-weighted average (FedAvg) without the clients' Fisher pass")
+        if cfg.round_choice == "clients":
+            then = ("; each round the clients' evaluation chooses between it and FedAvg of the same uploads, and after "
+                    f"FedAvg wins {cfg.handover_after} rounds in a row the later rounds are FedAvg without the "
+                    "clients' curvature pass")
         gram = cfg.curvature == "gram"
         if cfg.sweep is None or not has_validation:
             knobs = (f"the clients' input Grams (alpha={cfg.gram_alpha:g}), reference={cfg.reference}" if gram else

@@ -159,7 +159,8 @@ class RoundMerger:
         if not self._handed_over:
             self._handed_over = True
             log(INFO, "%s round %s: from this round on, the clients' weights are averaged by size (FedAvg) and the "
-                "clients skip the Fisher pass (fisher_rounds)", self.aggregator.label, server_round)
+                "clients skip the curvature pass (%s)", self.aggregator.label, server_round,
+                getattr(self.aggregator, "handover_reason", "fisher_rounds"))
         return aggregator
 
     def _collect(self, server_round: int, replies: Iterable[tuple[str, RecordDict]],

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import pprint
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from logging import DEBUG, INFO, WARNING
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from flwr.supercore import log
 from fedfiot_flwr.refine.base import ModelMapStage, PostMergeStage
 from fedfiot_flwr.refine.options import RefineOptions
 from fedfiot_flwr.server.aggregators import Aggregator
+from fedfiot_flwr.server.clients_choice import ChoiceScores, ClientsChoice
 from fedfiot_flwr.server.nodes import NodeWaiter
 from fedfiot_flwr.server.outcome import RoundOutcome
 from fedfiot_flwr.server.resume import RoundHistory, continue_rounds
@@ -272,6 +273,13 @@ class MergeStrategy(FedAvg):
         """Flower's per-round metrics so far (what ``start``'s ``Result`` holds), kept for a resume."""
         self.resumed_after = 0
         """The round :meth:`restore` went on from (0: ``start`` begins at round 1)."""
+        self.choice: ClientsChoice | None = None
+        """The clients' choice between each round's merge and FedAvg (an aggregator with ``clients_choose``)."""
+        if getattr(aggregator, "clients_choose", False) and self.fraction_evaluate > 0:
+            self.choice = ClientsChoice(aggregator.settings.handover_after, self.arrayrecord_key,  # type: ignore[attr-defined]
+                                        self.configrecord_key, self.weighted_by_key, self.evaluate_metrics_aggr_fn)
+        self._returned: ArrayRecord | None = None
+        self._told_no_loss = False
 
     # -- what the round produced -------------------------------------------------------------
 
@@ -313,6 +321,7 @@ class MergeStrategy(FedAvg):
             "server_metrics": {str(r): dict(m) for r, m in self.server_metrics.items()},
             "unavailable_nodes": {str(r): list(n) for r, n in self.unavailable_nodes.items()},
             "history": self.history.as_json(),
+            **({"clients_choice": self.choice.state()} if self.choice is not None else {}),
         }
 
     def restore(self, state: Mapping[str, Any], after_round: int) -> None:
@@ -334,6 +343,10 @@ class MergeStrategy(FedAvg):
         self.unavailable_nodes = {int(r): [int(n) for n in nodes] for r, nodes in state["unavailable_nodes"].items()}
         self.history = RoundHistory.from_json(state["history"])
         self.resumed_after = int(after_round)
+        if self.choice is not None:
+            self.choice.restore(state.get("clients_choice", {}))
+            if self.choice.hands_over:
+                self.aggregator.hand_over(after_round + 1)  # type: ignore[attr-defined]
 
     # -- Flower hooks ------------------------------------------------------------------------
 
@@ -403,13 +416,32 @@ class MergeStrategy(FedAvg):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample as FedAvg; with ``node_wait_s``, evaluate on the nodes left after a bounded wait."""
+        """Sample as FedAvg; with ``node_wait_s``, evaluate on the nodes left after a bounded wait.
+
+        With the clients' choice, each sampled node also gets FedAvg of the same uploads in a second
+        evaluate message (:class:`~fedfiot_flwr.server.clients_choice.ClientsChoice`).
+        """
         if self.fraction_evaluate == 0.0:
             return super().configure_evaluate(server_round, arrays, config, grid)
-        return self._node_waiter.configure_evaluate(
+        messages = self._node_waiter.configure_evaluate(
             self, grid, server_round,
             lambda: super(MergeStrategy, self).configure_evaluate(server_round, arrays, config, grid),
         )
+        fedavg = self._fedavg_candidate(server_round, list(arrays.keys()))
+        if self.choice is None or fedavg is None:
+            return messages
+        return self.choice.pair(server_round, messages, fedavg)
+
+    def _fedavg_candidate(self, server_round: int, order: Sequence[str]) -> ArrayRecord | None:
+        """FedAvg of this round's uploads when the clients choose and it differs from the returned model."""
+        last = self.merger.last
+        if self.choice is None or last is None or last.report.get("round") != server_round or last.uploads is None:
+            return None
+        fedavg = last.alternatives.get("fedavg")
+        fedavg = fedavg if fedavg is not None else last.uploads.fedavg()
+        if all(np.array_equal(np.asarray(fedavg[k]), np.asarray(last.model[k])) for k in order):
+            return None
+        return numpy_to_arrays(fedavg, order)
 
     def _node_of(self, reply: Message, sent: Mapping[str, int]) -> str:
         """The node an answer is for: the instruction's destination (error replies may lack a source)."""
@@ -451,14 +483,53 @@ class MergeStrategy(FedAvg):
         metrics = self._train_metrics(result)
         if metrics is not None:
             self.history.train_metrics_clientapp[server_round] = metrics
-        return numpy_to_arrays(result.model), metrics
+        self._returned = numpy_to_arrays(result.model)
+        return self._returned, metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """FedAvg's aggregation of the clients' evaluation metrics (kept in :attr:`history`)."""
+        """FedAvg's aggregation of the clients' evaluation metrics (kept in :attr:`history`).
+
+        With the clients' choice: the two models' losses decide the round's global model (the
+        returned ``ArrayRecord`` of :meth:`aggregate_train` takes FedAvg's arrays when FedAvg won), and
+        the metrics are the chosen model's.
+        """
+        if self.choice is not None and self.choice.pending(server_round):
+            merge, fedavg = self.choice.split(replies)
+            scores = self.choice.decide(server_round, merge, fedavg)
+            replies = merge if scores is None or scores.kept_merge else fedavg
+            self._apply_choice(server_round, scores)
         metrics = super().aggregate_evaluate(server_round, replies)
         if metrics is not None:
             self.history.evaluate_metrics_clientapp[server_round] = metrics
         return metrics
+
+    def _apply_choice(self, server_round: int, scores: ChoiceScores | None) -> None:
+        """Make the clients' choice the round's global model, record it, log it once, and hand over when due."""
+        label, last = self.aggregator.label, self.merger.last
+        assert self.choice is not None and last is not None
+        if scores is None:
+            if not self._told_no_loss:
+                self._told_no_loss = True
+                log(WARNING, "%s round %s: no node scored both the merge and FedAvg with an accuracy or a loss "
+                    "(a metric whose name ends in 'accuracy', 'acc' or 'loss'); the merge goes on", label, server_round)
+            return
+        if not scores.kept_merge:
+            fedavg = last.alternatives.get("fedavg")
+            fedavg = fedavg if fedavg is not None else last.uploads.fedavg()  # type: ignore[union-attr]
+            last.alternatives = {"fedfiot-own": last.model, **{k: v for k, v in last.alternatives.items()
+                                                               if k != "fedavg"}}
+            last.model = {k: np.asarray(fedavg[k]) for k in last.model}
+            if self._returned is not None:
+                for name, array in numpy_to_arrays(last.model, list(self._returned.keys())).items():
+                    self._returned[name] = array
+        last.report["clients_choice"] = asdict(scores) | {"kept": "merge" if scores.kept_merge else "fedavg"}
+        last.report["server_metrics"].update(scores.metrics())
+        self.server_metrics[server_round] = metric_record(last.report["server_metrics"])
+        handover = ""
+        if self.choice.hands_over and getattr(self.aggregator, "handover_round", 0) is None:
+            self.aggregator.hand_over(server_round + 1)  # type: ignore[attr-defined]
+            handover = "; FedAvg has won " + str(self.choice.handover_after) + " rounds in a row: the next rounds are FedAvg"
+        log(INFO, "%s round %s (clients' evaluation): %s%s", label, server_round, scores.sentence(), handover)
 
     def _train_metrics(self, result: RoundOutcome) -> MetricRecord | None:
         """The clients' own training metrics, aggregated as FedAvg does (names unchanged)."""

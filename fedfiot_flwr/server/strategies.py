@@ -48,6 +48,7 @@ def fedfiot_aggregator(
     has_validation: bool,
     refining: bool,
     label: str = "FedFiOT",
+    clients_evaluate: bool = False,
 ) -> FedFiOTAggregator:
     """FedFiOT's aggregator with the configuration that runs given what the server holds.
 
@@ -61,6 +62,11 @@ def fedfiot_aggregator(
         Default :meth:`FedFiOTConfig.default`; resolved by :meth:`FedFiOTConfig.for_server`.
     has_validation, refining : bool
         Whether the server has examples to choose on, and whether a refinement follows the merge.
+    label : str
+        The strategy's name in messages.
+    clients_evaluate : bool
+        Whether the strategy runs the clients' evaluation step, where the clients' choice
+        (``round_choice="clients"``) takes place.
 
     Raises
     ------
@@ -79,7 +85,7 @@ def fedfiot_aggregator(
     if spec is None:
         raise ValueError(f"{label} needs a permutation spec: pass model=<torch module> or spec=PermutationSpec(...)")
     requested = config if config is not None else FedFiOTConfig.default()
-    return FedFiOTAggregator(spec, requested.for_server(has_validation, refining))
+    return FedFiOTAggregator(spec, requested.for_server(has_validation, refining, clients_evaluate))
 
 
 class FedFiOT(MergeStrategy):
@@ -132,7 +138,8 @@ class FedFiOT(MergeStrategy):
         self.requested_config = config if config is not None else FedFiOTConfig.default()
         own, _ = StrategyOptions.split(fedavg_options)
         aggregator = fedfiot_aggregator(spec, model, config, own.validate_fn is not None or own.server_data is not None,
-                                        own.refine is not None)
+                                        own.refine is not None,
+                                        clients_evaluate=fedavg_options.get("fraction_evaluate", 1.0) != 0)
         self.fedfiot_config = aggregator.settings
         self.spec = aggregator.spec
         super().__init__(aggregator, model=model, **fedavg_options)
