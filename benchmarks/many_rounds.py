@@ -67,6 +67,7 @@ from fedfiot_flwr.batches import evaluate  # noqa: E402
 from fedfiot_flwr.data import federated_split, load_dataset  # noqa: E402
 from fedfiot_flwr.models import build_model  # noqa: E402
 from fedfiot_flwr.task import train as local_train  # noqa: E402
+from fedfiot_flwr.wire.sizes import content_bytes  # noqa: E402
 
 METHODS = ("fedavg", "fedfiot", "fedfiot-gram", "fedfiot-every-round", "fedfiot-clients-every-round",
            "fedfiot-server-data")
@@ -207,14 +208,10 @@ class InProcessGrid(Grid):
         replies = [self.nodes[int(m.metadata.dst_node_id)](m) for m in messages]
         for msg, reply in zip(messages, replies):
             r = int(msg.content.config_records.get("config", {}).get("server-round", 0))
-            self.sent_bytes[r] = self.sent_bytes.get(r, 0) + array_bytes(msg.content)
-            self.received_bytes[r] = self.received_bytes.get(r, 0) + array_bytes(reply.content)
+            self.sent_bytes[r] = self.sent_bytes.get(r, 0) + content_bytes(msg.content)
+            self.received_bytes[r] = self.received_bytes.get(r, 0) + content_bytes(reply.content)
         return replies
 
-
-def array_bytes(content: RecordDict) -> int:
-    """The bytes of every array a message carries."""
-    return sum(len(a.data) for record in content.array_records.values() for a in record.values())
 
 
 @dataclass

@@ -63,6 +63,10 @@ class ChoiceScores:
         return {"clients-kept-merge": int(self.kept_merge), "clients-merge-score": self.merge_score,
                 "clients-fedavg-score": self.fedavg_score, "clients-choice-nodes": self.nodes}
 
+    def record(self) -> dict[str, Any]:
+        """The round report's entry: the scores and which model went on."""
+        return {**asdict(self), "kept": "merge" if self.kept_merge else "fedavg"}
+
     def sentence(self) -> str:
         """The choice in words, for the round's log line."""
         kept = "the merge goes on" if self.kept_merge else "FedAvg of the same uploads goes on"

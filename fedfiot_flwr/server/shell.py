@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import pprint
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from logging import DEBUG, INFO, WARNING
 from typing import TYPE_CHECKING, Any
 
@@ -279,6 +279,7 @@ class MergeStrategy(FedAvg):
             self.choice = ClientsChoice(aggregator.settings.handover_after, self.arrayrecord_key,  # type: ignore[attr-defined]
                                         self.configrecord_key, self.weighted_by_key, self.evaluate_metrics_aggr_fn)
         self._returned: ArrayRecord | None = None
+        self._fedavg_offered: Model | None = None  # FedAvg of the round's uploads, as the clients' choice sent it
         self._told_no_loss = False
 
     # -- what the round produced -------------------------------------------------------------
@@ -427,12 +428,13 @@ class MergeStrategy(FedAvg):
             self, grid, server_round,
             lambda: super(MergeStrategy, self).configure_evaluate(server_round, arrays, config, grid),
         )
-        fedavg = self._fedavg_candidate(server_round, list(arrays.keys()))
-        if self.choice is None or fedavg is None:
+        order = list(arrays.keys())
+        self._fedavg_offered = self._fedavg_candidate(server_round, order)
+        if self.choice is None or self._fedavg_offered is None:
             return messages
-        return self.choice.pair(server_round, messages, fedavg)
+        return self.choice.pair(server_round, messages, numpy_to_arrays(self._fedavg_offered, order))
 
-    def _fedavg_candidate(self, server_round: int, order: Sequence[str]) -> ArrayRecord | None:
+    def _fedavg_candidate(self, server_round: int, order: Sequence[str]) -> Model | None:
         """FedAvg of this round's uploads when the clients choose and it differs from the returned model."""
         last = self.merger.last
         if self.choice is None or last is None or last.report.get("round") != server_round or last.uploads is None:
@@ -441,7 +443,7 @@ class MergeStrategy(FedAvg):
         fedavg = fedavg if fedavg is not None else last.uploads.fedavg()
         if all(np.array_equal(np.asarray(fedavg[k]), np.asarray(last.model[k])) for k in order):
             return None
-        return numpy_to_arrays(fedavg, order)
+        return fedavg
 
     def _node_of(self, reply: Message, sent: Mapping[str, int]) -> str:
         """The node an answer is for: the instruction's destination (error replies may lack a source)."""
@@ -514,19 +516,19 @@ class MergeStrategy(FedAvg):
                     "(a metric whose name ends in 'accuracy', 'acc' or 'loss'); the merge goes on", label, server_round)
             return
         if not scores.kept_merge:
-            fedavg = last.alternatives.get("fedavg")
-            fedavg = fedavg if fedavg is not None else last.uploads.fedavg()  # type: ignore[union-attr]
+            fedavg = self._fedavg_offered
+            assert fedavg is not None  # the choice is pending only after configure_evaluate offered it
             last.alternatives = {"fedfiot-own": last.model, **{k: v for k, v in last.alternatives.items()
                                                                if k != "fedavg"}}
             last.model = {k: np.asarray(fedavg[k]) for k in last.model}
             if self._returned is not None:
                 for name, array in numpy_to_arrays(last.model, list(self._returned.keys())).items():
                     self._returned[name] = array
-        last.report["clients_choice"] = asdict(scores) | {"kept": "merge" if scores.kept_merge else "fedavg"}
+        last.report["clients_choice"] = scores.record()
         last.report["server_metrics"].update(scores.metrics())
         self.server_metrics[server_round] = metric_record(last.report["server_metrics"])
         handover = ""
-        if self.choice.hands_over and getattr(self.aggregator, "handover_round", 0) is None:
+        if self.choice.hands_over and self.aggregator.handover_round is None:  # type: ignore[attr-defined]
             self.aggregator.hand_over(server_round + 1)  # type: ignore[attr-defined]
             handover = "; FedAvg has won " + str(self.choice.handover_after) + " rounds in a row: the next rounds are FedAvg"
         log(INFO, "%s round %s (clients' evaluation): %s%s", label, server_round, scores.sentence(), handover)
