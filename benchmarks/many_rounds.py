@@ -15,9 +15,11 @@ into a Flower app without a ``validate_fn`` gets it.
 
 Methods (``--methods``): ``fedavg`` (Flower's ``FedAvg``), ``fedfiot`` (``FedFiOTConfig.default()``
 as shipped: the clients' evaluation chooses between each round's merge and FedAvg of the same
-uploads, and hands over to FedAvg after two FedAvg wins in a row), ``fedfiot-gram`` (the same with
-the Gram curvature), ``fedfiot-every-round`` (the Fisher-weighted merge in every round, no
-choice), ``fedfiot-clients-every-round`` (the clients' choice without the hand-over),
+uploads, hands over to FedAvg after two FedAvg wins in a row, and asks for the curvature again in a
+probe round after two FedAvg rounds, then four, eight, ...), ``fedfiot-gram`` (the same with the
+Gram curvature), ``fedfiot-for-good`` (the default whose first hand-over is for good, no probe
+rounds), ``fedfiot-every-round`` (the Fisher-weighted merge in every round, no choice),
+``fedfiot-clients-every-round`` (the clients' choice without the hand-over),
 ``fedfiot-r<N>`` (the Fisher in rounds 1 to N, no choice) and ``fedfiot-server-data`` (the
 default given half of the server's held-out examples as ``server_data``: it chooses each round's
 merge on them, FedAvg of the same uploads included).
@@ -69,8 +71,8 @@ from fedfiot_flwr.models import build_model  # noqa: E402
 from fedfiot_flwr.task import train as local_train  # noqa: E402
 from fedfiot_flwr.wire.sizes import content_bytes  # noqa: E402
 
-METHODS = ("fedavg", "fedfiot", "fedfiot-gram", "fedfiot-every-round", "fedfiot-clients-every-round",
-           "fedfiot-server-data")
+METHODS = ("fedavg", "fedfiot", "fedfiot-gram", "fedfiot-for-good", "fedfiot-every-round",
+           "fedfiot-clients-every-round", "fedfiot-server-data")
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,7 @@ def make_strategy(method: str, model: torch.nn.Module, fraction_train: float, se
     configs = {
         "fedfiot": None,
         "fedfiot-gram": FedFiOTConfig.default(curvature="gram"),
+        "fedfiot-for-good": FedFiOTConfig.default(reprobe_after=None),
         "fedfiot-every-round": FedFiOTConfig.default(fisher_rounds=None, **fixed),
         "fedfiot-clients-every-round": FedFiOTConfig.default(handover_after=10**6),
     }

@@ -154,6 +154,7 @@ def rules() -> dict[str, Rule]:
         "rho": Rule("a number in (0, 1]", lambda v: 0 < v <= 1),
         "max_iters": Rule("an integer >= 1", lambda v: v >= 1),
         "fisher_rounds": Rule("an integer: -1 (the preset's), 0 (every round) or n >= 1", lambda v: v >= -1),
+        "reprobe_after": Rule("an integer: -1 (the preset's), 0 (a hand-over for good) or n >= 1", lambda v: v >= -1),
         "reference": Rule(_one_of(REFERENCES) + " or a client index (0, 1, ...)",
                           lambda v: v in REFERENCES or re.fullmatch(r"\d+", v) is not None),
         "matching": Rule(_one_of(MATCHINGS), lambda v: v in MATCHINGS),
@@ -301,6 +302,10 @@ class AppConfig:
         :attr:`fedfiot_flwr.FedFiOTConfig.round_choice` (empty: the preset's): ``clients``, the
         clients' evaluation chooses between each round's merge and FedAvg when the run has no
         validation set; ``none``, it does not.
+    reprobe_after
+        :attr:`fedfiot_flwr.FedFiOTConfig.reprobe_after`: -1 the preset's, 0 the clients' choice
+        hands over for good, ``n`` a hand-over lasts ``n`` rounds (twice as long after each probe
+        round FedAvg wins).
     sweep, sweep_rho, sweep_lam, sweep_reference, sweep_fisher_scaling
         Server-side selection on the validation set over the grid (comma-separated lists).
     server_refine
@@ -364,6 +369,7 @@ class AppConfig:
     fallback: str = ""
     fisher_rounds: int = -1
     round_choice: str = ""
+    reprobe_after: int = -1
     sweep: bool = True
     server_refine: bool = False
     sweep_rho: str = ",".join(f"{v:g}" for v in DEFAULT_GRID_RHOS)

@@ -28,6 +28,7 @@ __all__ = [
     "GRAM_SCALINGS",
     "DEFAULT_FISHER_ROUNDS",
     "DEFAULT_HANDOVER_AFTER",
+    "DEFAULT_REPROBE_AFTER",
     "DEFAULT_LAM",
     "DEFAULT_MAX_ITERS",
     "DEFAULT_RHO",
@@ -55,6 +56,7 @@ __all__ = [
     "STRATEGIES",
     "alignment_kept",
     "client_score_key",
+    "handover_window",
     "merge_kept_by_clients",
     "uses_fisher",
 ]
@@ -117,8 +119,11 @@ ROUND_CHOICES = ("clients", "none")
 """Who chooses between a round's merge and FedAvg of the same uploads without server data: the clients'
 evaluation step (each sampled node scores both; the better accuracy, or loss, goes on), or nobody (the merge goes on)."""
 DEFAULT_HANDOVER_AFTER = 2
-"""With the clients' choice: after FedAvg of the same uploads wins this many rounds in a row, the later rounds
+"""With the clients' choice: after FedAvg of the same uploads wins this many rounds in a row, the next rounds
 are FedAvg and the clients skip the curvature pass."""
+DEFAULT_REPROBE_AFTER = 2
+"""With the clients' choice: FedAvg rounds after a hand-over before one round asks for the curvature again
+(:func:`handover_window`); ``None``: the hand-over is for good."""
 CANDIDATE_CONFIG_KEY = "fedfiot-candidate"
 """Evaluate-config entry, ``"fedavg"``, of the second evaluate message the clients' choice sends a node (the one
 with FedAvg of the same uploads), for a client that wants to know; an ordinary evaluate handler ignores it."""
@@ -158,6 +163,23 @@ def client_score_key(names: Iterable[str]) -> tuple[str, bool] | None:
         if key is not None:
             return key, higher
     return None
+
+
+def handover_window(server_round: int, handovers: int, reprobe_after: int | None) -> tuple[int, int | None]:
+    """The rounds a hand-over decided in ``server_round`` makes FedAvg: ``(first, resume)``, ``resume`` the round
+    that asks the clients for their curvature again (``None``: never).
+
+    The ``handovers``-th hand-over in a row (1 for the first, one more for each probe round FedAvg wins
+    again) lasts ``reprobe_after * 2 ** (handovers - 1)`` rounds, so a merge that keeps losing costs
+    ever fewer curvature rounds, and one that starts to win gets them back.
+
+    >>> handover_window(2, 1, 2), handover_window(5, 2, 2), handover_window(5, 1, None)
+    ((3, 5), (6, 10), (6, None))
+    """
+    first = int(server_round) + 1
+    if reprobe_after is None:
+        return first, None
+    return first, first + int(reprobe_after) * 2 ** (int(handovers) - 1)
 
 
 def merge_kept_by_clients(merge_score: float, fedavg_score: float, higher_is_better: bool) -> bool:

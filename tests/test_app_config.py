@@ -53,6 +53,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("preset", "fast", "one of default, paper"),
     ("fallback", "fedavg", "one of objective, validation, none, or empty"),
     ("round-choice", "server", "one of clients, none, or empty"),
+    ("reprobe-after", -2, "an integer: -1 (the preset's), 0 (a hand-over for good) or n >= 1"),
     ("sweep", "maybe", "true or false"),
     ("server-refine", 3, "true or false"),
     ("sweep-rho", "0.2,abc", "comma-separated numbers in (0, 1]"),

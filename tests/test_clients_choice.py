@@ -139,18 +139,62 @@ def test_without_an_evaluation_step_the_fixed_fisher_rounds_apply_and_the_paper_
     assert paper.choice is None and sorted(fed.evaluations[1]) == [(n, "merge") for n in NODES]
 
 
+def curvature_rounds(fed: Federation) -> list[int]:
+    """The rounds whose train config asked every client for its curvature."""
+    return sorted(r for r, configs in fed.train_configs.items() if all(c[FISHER_CONFIG_KEY] for c in configs))
+
+
+def test_probe_rounds_ask_for_the_curvature_again_ever_more_rarely_while_fedavg_keeps_winning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    fed = Federation(closeness_to(fedavg_of_uploads()))
+    s = strategy()  # hand over after 2 FedAvg wins, for 2 rounds, then 4, then 8
+    with caplog.at_level("INFO"):
+        run(s, fed, rounds=11)
+    assert curvature_rounds(fed) == [1, 2, 5, 10]
+    assert [r for r in range(1, 12) if "clients-kept-merge" in s.server_metrics[r]] == [1, 2, 5, 10]
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("round 5 asks for the curvature again" in m for m in said) == 2  # the choice's line, the hand-over's
+    assert sum("skip the curvature pass" in m and "round 3:" in m for m in said) == 1
+
+
+def test_a_probe_round_the_merge_wins_ends_the_hand_over() -> None:
+    fedavg = fedavg_of_uploads()
+    closer = closeness_to(fedavg)
+
+    def scorer(model: dict[str, np.ndarray], config: ConfigRecord) -> dict[str, float]:
+        if int(config["server-round"]) < 5:  # FedAvg wins rounds 1-2; from round 5 on the merge does
+            return closer(model, config)
+        return {"eval-accuracy": 0.5 if config.get(CANDIDATE_CONFIG_KEY) else 0.9}
+
+    fed = Federation(scorer)
+    s = strategy()
+    run(s, fed, rounds=7)
+    assert curvature_rounds(fed) == [1, 2, 5, 6, 7]
+    assert [s.server_metrics[r].get("clients-kept-merge") for r in range(1, 8)] == [0, 0, None, None, 1, 1, 1]
+
+
+def test_without_probes_the_hand_over_is_for_good() -> None:
+    fed = Federation(closeness_to(fedavg_of_uploads()))
+    s = strategy(reprobe_after=0)
+    assert s.fedfiot_config.reprobe_after is None
+    run(s, fed, rounds=6)
+    assert curvature_rounds(fed) == [1, 2]
+
+
 def test_the_hand_over_survives_a_resume() -> None:
     fed = Federation(closeness_to(fedavg_of_uploads()))
     first = strategy()
     run(first, fed, rounds=2)
     resumed = strategy()
     resumed.restore(first.carried_state(), after_round=2)
-    assert resumed.aggregator.wants_fisher(3) is False
+    assert [resumed.aggregator.wants_fisher(r) for r in (3, 4, 5)] == [False, False, True]  # round 5 probes
     assert strategy().aggregator.wants_fisher(3) is True
 
 
 @pytest.mark.parametrize(("changes", "field"), [({"round_choice": "server"}, "round_choice"),
-                                                ({"handover_after": 0}, "handover_after")])
+                                                ({"handover_after": 0}, "handover_after"),
+                                                ({"reprobe_after": -1}, "reprobe_after"),
+                                                ({"reprobe_after": True}, "reprobe_after")])
 def test_bad_choice_options_are_refused_when_built(changes: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         FedFiOTConfig.default(**changes)
@@ -165,6 +209,14 @@ def test_the_run_config_key_reaches_the_strategy(preset: str, key: str, expected
     assert fedfiot_config(AppConfig.from_run_config({"preset": preset, "round-choice": key})).round_choice == expected
     with pytest.raises(ValueError, match="round-choice"):
         AppConfig.from_run_config({"round-choice": "server"})
+
+
+@pytest.mark.parametrize(("key", "expected"), [(-1, 2), (0, None), (5, 5)])
+def test_the_reprobe_run_config_key_reaches_the_strategy(key: int, expected: int | None) -> None:
+    from fedfiot_flwr.app_config import AppConfig
+    from server_app import fedfiot_config
+
+    assert fedfiot_config(AppConfig.from_run_config({"reprobe-after": key})).reprobe_after == expected
 
 
 def test_the_choice_works_with_the_gram_curvature_and_real_fisher_reply_clients(one_torch_thread: None) -> None:  # noqa: F811

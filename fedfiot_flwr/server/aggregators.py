@@ -117,6 +117,9 @@ class FedFiOTAggregator:
         self._told_close = False
         self.handover_round: int | None = None
         """The first round the clients' choice made FedAvg without the curvature (``None``: not yet)."""
+        self.resume_round: int | None = None
+        """The round after that hand-over that asks for the curvature again (``None``: none)."""
+        self._handover_reason = "fisher_rounds"
 
     def config(self) -> dict[str, Any]:
         """The FedFiOT configuration."""
@@ -136,21 +139,23 @@ class FedFiOTAggregator:
         """Whether the clients' evaluation chooses between each round's merge and FedAvg (``round_choice``)."""
         return self.settings.round_choice == "clients"
 
-    def hand_over(self, from_round: int) -> None:
-        """Make round ``from_round`` and every later one FedAvg without the clients' curvature (the clients' choice)."""
+    def hand_over(self, from_round: int, resume_round: int | None = None, reason: str = "the clients' choice") -> None:
+        """Make the rounds from ``from_round`` up to ``resume_round`` (excluded; ``None``: every later one)
+        FedAvg without the clients' curvature, for ``reason`` (the clients' choice)."""
         self.handover_round = int(from_round)
+        self.resume_round = None if resume_round is None else int(resume_round)
+        self._handover_reason = reason
 
     @property
     def handover_reason(self) -> str:
         """Why the rounds after the hand-over are FedAvg, in words."""
-        if self.handover_round is not None:
-            return f"FedAvg won the clients' evaluation {self.settings.handover_after} rounds in a row"
-        return "fisher_rounds"
+        return "fisher_rounds" if self.handover_round is None else self._handover_reason
 
     def wants_fisher(self, server_round: int) -> bool:
-        """Whether round ``server_round`` merges with the clients' curvature (``fisher_rounds``, or until the
-        clients' choice hands over)."""
-        if self.handover_round is not None and server_round >= self.handover_round:
+        """Whether round ``server_round`` merges with the clients' curvature (``fisher_rounds``, or outside
+        the clients' choice's hand-over)."""
+        if self.handover_round is not None and server_round >= self.handover_round and (
+                self.resume_round is None or server_round < self.resume_round):
             return False
         return uses_fisher(server_round, self.settings.fisher_rounds)
 

@@ -9,8 +9,9 @@ that scored both (:func:`~fedfiot_flwr.options.client_score_key`,
 :func:`~fedfiot_flwr.options.merge_kept_by_clients`). Any client's evaluate handler answers
 them: nothing new runs on the client, and there is no extra round trip.
 
-After FedAvg has won ``handover_after`` rounds in a row the choice hands over: the later rounds
-are FedAvg and the clients skip the curvature pass.
+After FedAvg has won ``handover_after`` rounds in a row the choice hands over: the next rounds
+are FedAvg and the clients skip the curvature pass, until a probe round asks for the curvature
+again (:func:`~fedfiot_flwr.options.handover_window`); the merge winning it ends the hand-overs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedfiot_flwr.options import CANDIDATE_CONFIG_KEY, client_score_key, merge_kept_by_clients
+from fedfiot_flwr.options import CANDIDATE_CONFIG_KEY, client_score_key, handover_window, merge_kept_by_clients
 
 __all__ = ["ChoiceScores", "ClientsChoice"]
 
@@ -80,20 +81,28 @@ class ClientsChoice:
     Parameters
     ----------
     handover_after : int
-        FedAvg wins in a row after which the later rounds are FedAvg.
+        FedAvg wins in a row after which the next rounds are FedAvg.
+    reprobe_after : int or None
+        How long the first hand-over lasts (``None``: for good); each further one in a row lasts twice
+        as long as the one before.
     arrayrecord_key, configrecord_key, weighted_by_key : str
         The strategy's names for the model, the config and the example count (Flower's ``FedAvg``).
     aggregate_metrics : callable
         ``(contents, weighted_by_key) -> MetricRecord``: the strategy's ``evaluate_metrics_aggr_fn``.
     """
 
-    def __init__(self, handover_after: int, arrayrecord_key: str, configrecord_key: str, weighted_by_key: str,
-                 aggregate_metrics: MetricsAggregation) -> None:
+    def __init__(self, handover_after: int, reprobe_after: int | None, arrayrecord_key: str, configrecord_key: str,
+                 weighted_by_key: str, aggregate_metrics: MetricsAggregation) -> None:
         self.handover_after = int(handover_after)
+        self.reprobe_after = reprobe_after
         self.keys = (arrayrecord_key, configrecord_key, weighted_by_key)
         self.aggregate_metrics = aggregate_metrics
         self.fedavg_streak = 0
         """Rounds in a row that FedAvg won."""
+        self.handovers = 0
+        """Hand-overs since the merge last won."""
+        self.window: tuple[int, int | None] | None = None
+        """The latest hand-over's FedAvg rounds, ``(first, resume)`` (``resume`` ``None``: for good)."""
         self.rounds: dict[int, ChoiceScores] = {}
         """Per round, what the clients' evaluation said."""
         self._pending: tuple[int, list[Message], list[Message]] | None = None
@@ -152,18 +161,36 @@ class ClientsChoice:
         self.fedavg_streak = 0 if scores.kept_merge else self.fedavg_streak + 1
         return scores
 
-    @property
-    def hands_over(self) -> bool:
-        """Whether FedAvg has won ``handover_after`` rounds in a row."""
-        return self.fedavg_streak >= self.handover_after
+    def hand_over(self, server_round: int) -> tuple[int, int | None] | None:
+        """The FedAvg rounds that follow round ``server_round``'s choice, ``(first, resume)``, or ``None``
+        when the curvature goes on: FedAvg has won ``handover_after`` rounds in a row (a probe round
+        FedAvg wins counts as one more hand-over, a round the merge wins resets both counts)."""
+        if self.fedavg_streak < self.handover_after:
+            self.handovers = 0
+            return None
+        self.handovers += 1
+        self.window = handover_window(server_round, self.handovers, self.reprobe_after)
+        return self.window
+
+    def handover_sentence(self) -> str:
+        """Why the latest hand-over happened and how long it lasts, in words."""
+        assert self.window is not None
+        why = (f"FedAvg won the clients' evaluation {self.handover_after} rounds in a row" if self.handovers == 1
+               else f"FedAvg also won the probe round {self.window[0] - 1}")
+        return why + ("" if self.window[1] is None else f"; round {self.window[1]} asks for the curvature again")
 
     def state(self) -> dict[str, Any]:
         """JSON-ready state a resumed run needs."""
-        return {"fedavg_streak": self.fedavg_streak, "rounds": {str(r): asdict(s) for r, s in self.rounds.items()}}
+        return {"fedavg_streak": self.fedavg_streak, "handovers": self.handovers,
+                "window": None if self.window is None else list(self.window),
+                "rounds": {str(r): asdict(s) for r, s in self.rounds.items()}}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Take back :meth:`state`."""
         self.fedavg_streak = int(state.get("fedavg_streak", 0))
+        self.handovers = int(state.get("handovers", 0))
+        window = state.get("window")
+        self.window = None if window is None else (int(window[0]), None if window[1] is None else int(window[1]))
         self.rounds = {int(r): ChoiceScores(**s) for r, s in dict(state.get("rounds", {})).items()}
 
 

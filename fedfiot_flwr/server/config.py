@@ -12,9 +12,10 @@ Two named configurations:
   reported next to a FedAvg win, and no client's Fisher may exceed ``DEFAULT_FISHER_CAP`` times the
   clients' median (robust weighting). Without validation data its merge rule is the paper's, and the
   clients' evaluation step chooses each round between the merge and FedAvg of the same uploads
-  (``round_choice="clients"``); once FedAvg has won ``handover_after`` rounds in a row, the later rounds
-  average the weights by client size and the clients skip the curvature pass. With no evaluation step
-  to choose (``fraction_evaluate=0``), or with validation data, that hand-over comes after
+  (``round_choice="clients"``); once FedAvg has won ``handover_after`` rounds in a row, the next rounds
+  average the weights by client size and the clients skip the curvature pass, until a probe round
+  (after ``reprobe_after`` rounds, then twice as long each time FedAvg wins it) asks for it again.
+  With no evaluation step to choose (``fraction_evaluate=0``), or with validation data, that hand-over comes after
   ``DEFAULT_FISHER_ROUNDS`` rounds instead (``fisher_rounds``).
 
 Neither configuration trains on server data: fitting the model on the server's labelled examples
@@ -41,6 +42,7 @@ from fedfiot_flwr.options import (
     DEFAULT_HANDOVER_AFTER,
     DEFAULT_LAM,
     DEFAULT_MAX_ITERS,
+    DEFAULT_REPROBE_AFTER,
     DEFAULT_RHO,
     FISHER_CAP_RULES,
     REFERENCES,
@@ -135,8 +137,13 @@ class FedFiOTConfig:
         when the strategy has an evaluation step (``fraction_evaluate > 0``) and no validation
         data; then ``fisher_rounds`` does not apply. ``"none"``: the merge goes on.
     handover_after : int
-        With the clients' choice: after FedAvg has won this many rounds in a row, the later
+        With the clients' choice: after FedAvg has won this many rounds in a row, the next
         rounds are FedAvg of the uploads and the clients skip the curvature pass.
+    reprobe_after : int or None
+        With the clients' choice: a hand-over lasts this many rounds, then one round asks the
+        clients for their curvature again and they choose again; each probe FedAvg wins doubles
+        the next hand-over, a probe the merge wins ends them
+        (:func:`~fedfiot_flwr.options.handover_window`). ``None`` or 0: the first hand-over is for good.
     race : bool
         When the validation function offers ``validate_bounded`` (the one of
         :func:`fedfiot_flwr.validation.make_validate_fn` does), stop scoring a candidate as soon
@@ -183,6 +190,7 @@ class FedFiOTConfig:
     fisher_rounds: int | None = None
     round_choice: str = "none"
     handover_after: int = DEFAULT_HANDOVER_AFTER
+    reprobe_after: int | None = DEFAULT_REPROBE_AFTER
     curvature: str = "diagonal"
     gram_alpha: float = DEFAULT_GRAM_ALPHA
     gram_ridge: float = 0.0
@@ -214,6 +222,12 @@ class FedFiOTConfig:
             raise ValueError(f"round_choice must be one of {ROUND_CHOICES}, got {self.round_choice!r}")
         if isinstance(self.handover_after, bool) or not isinstance(self.handover_after, int) or self.handover_after < 1:
             raise ValueError(f"handover_after must be an integer >= 1, got {self.handover_after!r}")
+        if self.reprobe_after == 0 and not isinstance(self.reprobe_after, bool):  # 0: for good, as None
+            object.__setattr__(self, "reprobe_after", None)
+        if self.reprobe_after is not None and (isinstance(self.reprobe_after, bool)
+                                               or not isinstance(self.reprobe_after, int) or self.reprobe_after < 1):
+            raise ValueError(f"reprobe_after must be an integer >= 1, or 0 / None for a hand-over for good, "
+                             f"got {self.reprobe_after!r}")
         MergeOptions(curvature=self.curvature, gram_alpha=self.gram_alpha, gram_ridge=self.gram_ridge,
                      matching=self.matching, aggregation=self.aggregation)  # validates the curvature's options
         for name in ("warm_start", "race"):
@@ -285,8 +299,10 @@ class FedFiOTConfig:
                 f"; from round {cfg.fisher_rounds + 1} on, the size-weighted average (FedAvg) without the clients' Fisher pass")
         if cfg.round_choice == "clients":
             then = ("; each round the clients' evaluation chooses between it and FedAvg of the same uploads, and after "
-                    f"FedAvg wins {cfg.handover_after} rounds in a row the later rounds are FedAvg without the "
-                    "clients' curvature pass")
+                    f"FedAvg wins {cfg.handover_after} rounds in a row the next rounds are FedAvg without the "
+                    "clients' curvature pass" + ("" if cfg.reprobe_after is None else
+                                                 f" ({cfg.reprobe_after} rounds, then one round with it again, "
+                                                 "twice as long after each FedAvg win)"))
         gram = cfg.curvature == "gram"
         if cfg.sweep is None or not has_validation:
             knobs = (f"the clients' input Grams (alpha={cfg.gram_alpha:g}), reference={cfg.reference}" if gram else

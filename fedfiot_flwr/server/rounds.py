@@ -154,9 +154,10 @@ class RoundMerger:
         (``wants_fisher``, FedFiOT after its ``fisher_rounds``) hands over to FedAvg under its own label."""
         wants_fisher = getattr(self.aggregator, "wants_fisher", None)
         if wants_fisher is None or wants_fisher(server_round):
+            self._handed_over = False
             return self.aggregator
         aggregator = FedAvgAggregator(self.aggregator.label)
-        if not self._handed_over:
+        if not self._handed_over:  # said on the first round of each hand-over
             self._handed_over = True
             log(INFO, "%s round %s: from this round on, the clients' weights are averaged by size (FedAvg) and the "
                 "clients skip the curvature pass (%s)", self.aggregator.label, server_round,

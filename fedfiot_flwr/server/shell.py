@@ -276,7 +276,8 @@ class MergeStrategy(FedAvg):
         self.choice: ClientsChoice | None = None
         """The clients' choice between each round's merge and FedAvg (an aggregator with ``clients_choose``)."""
         if getattr(aggregator, "clients_choose", False) and self.fraction_evaluate > 0:
-            self.choice = ClientsChoice(aggregator.settings.handover_after, self.arrayrecord_key,  # type: ignore[attr-defined]
+            settings = aggregator.settings  # type: ignore[attr-defined]
+            self.choice = ClientsChoice(settings.handover_after, settings.reprobe_after, self.arrayrecord_key,
                                         self.configrecord_key, self.weighted_by_key, self.evaluate_metrics_aggr_fn)
         self._returned: ArrayRecord | None = None
         self._fedavg_offered: Model | None = None  # FedAvg of the round's uploads, as the clients' choice sent it
@@ -346,8 +347,8 @@ class MergeStrategy(FedAvg):
         self.resumed_after = int(after_round)
         if self.choice is not None:
             self.choice.restore(state.get("clients_choice", {}))
-            if self.choice.hands_over:
-                self.aggregator.hand_over(after_round + 1)  # type: ignore[attr-defined]
+            if self.choice.window is not None:
+                self.aggregator.hand_over(*self.choice.window, self.choice.handover_sentence())  # type: ignore[attr-defined]
 
     # -- Flower hooks ------------------------------------------------------------------------
 
@@ -528,9 +529,11 @@ class MergeStrategy(FedAvg):
         last.report["server_metrics"].update(scores.metrics())
         self.server_metrics[server_round] = metric_record(last.report["server_metrics"])
         handover = ""
-        if self.choice.hands_over and self.aggregator.handover_round is None:  # type: ignore[attr-defined]
-            self.aggregator.hand_over(server_round + 1)  # type: ignore[attr-defined]
-            handover = "; FedAvg has won " + str(self.choice.handover_after) + " rounds in a row: the next rounds are FedAvg"
+        window = self.choice.hand_over(server_round)
+        if window is not None:
+            reason = self.choice.handover_sentence()
+            self.aggregator.hand_over(*window, reason)  # type: ignore[attr-defined]
+            handover = f"; the next rounds are FedAvg ({reason})"
         log(INFO, "%s round %s (clients' evaluation): %s%s", label, server_round, scores.sentence(), handover)
 
     def _train_metrics(self, result: RoundOutcome) -> MetricRecord | None:
