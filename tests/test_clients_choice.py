@@ -177,6 +177,7 @@ def test_without_probes_the_hand_over_is_for_good() -> None:
     fed = Federation(closeness_to(fedavg_of_uploads()))
     s = strategy(reprobe_after=0)
     assert s.fedfiot_config.reprobe_after is None
+    assert "probe round" in strategy().plan and "probe round" not in s.plan
     run(s, fed, rounds=6)
     assert curvature_rounds(fed) == [1, 2]
 
@@ -254,3 +255,15 @@ def test_the_choice_works_with_the_gram_curvature_and_real_fisher_reply_clients(
     assert [s.server_metrics[r]["clients-kept-merge"] for r in (1, 2)] == [0, 0]
     assert all(c[FISHER_CONFIG_KEY] is True and c["fedfiot-curvature"] == "gram" for c in asked[1] + asked[2])
     assert all(c[FISHER_CONFIG_KEY] is False for c in asked[3]) and s.server_metrics[3]["num-valid"] == 3
+
+
+def test_the_many_round_benchmark_offers_the_hand_over_for_good_next_to_the_default() -> None:
+    import torch
+
+    from benchmarks.many_rounds import METHODS, make_strategy
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    built = {m: make_strategy(m, model, 1.0, None) for m in METHODS}
+    assert built["fedfiot"].fedfiot_config.reprobe_after == 2
+    assert built["fedfiot-for-good"].fedfiot_config.reprobe_after is None
+    assert all(built[m].fraction_evaluate == 1.0 for m in METHODS)

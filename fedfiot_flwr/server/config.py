@@ -299,10 +299,10 @@ class FedFiOTConfig:
                 f"; from round {cfg.fisher_rounds + 1} on, the size-weighted average (FedAvg) without the clients' Fisher pass")
         if cfg.round_choice == "clients":
             then = ("; each round the clients' evaluation chooses between it and FedAvg of the same uploads, and after "
-                    f"FedAvg wins {cfg.handover_after} rounds in a row the next rounds are FedAvg without the "
-                    "clients' curvature pass" + ("" if cfg.reprobe_after is None else
-                                                 f" ({cfg.reprobe_after} rounds, then one round with it again, "
-                                                 "twice as long after each FedAvg win)"))
+                    f"FedAvg wins {cfg.handover_after} rounds in a row " + (
+                        "the later rounds are FedAvg without the clients' curvature pass" if cfg.reprobe_after is None
+                        else f"the next {cfg.reprobe_after} rounds are FedAvg without the clients' curvature pass, then "
+                             "a probe round asks for it again (each probe FedAvg wins doubles the wait)"))
         gram = cfg.curvature == "gram"
         if cfg.sweep is None or not has_validation:
             knobs = (f"the clients' input Grams (alpha={cfg.gram_alpha:g}), reference={cfg.reference}" if gram else
