@@ -24,8 +24,9 @@ from _fedfiot_helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, prctl")]
 
-#: Six rounds of three digits clients (about a second each), light enough that a launcher run takes half a minute.
-RUN_CONFIG = ("num-partitions=3 num-server-rounds=6 local-epochs=20 validation-size=100 sweep-rho='0.5' "
+#: Twelve rounds of three digits clients (about a second each): a launcher run takes under a minute, and the rounds
+#: left after round 2 outlast the two refused launchers the SIGKILL case starts while the run is live.
+RUN_CONFIG = ("num-partitions=3 num-server-rounds=12 local-epochs=20 validation-size=100 sweep-rho='0.5' "
               "sweep-lam='1e-4' fraction-evaluate=0.0")
 MARKER = "FEDFIOT_TEST_LAUNCHER_RUN"
 
