@@ -102,7 +102,7 @@ def fedfiot_config(cfg: AppConfig) -> FedFiOTConfig:
         selection=cfg.fallback or base.selection, sweep=sweep, curvature=cfg.curvature, gram_alpha=cfg.gram_alpha,
         fisher_rounds={-1: base.fisher_rounds, 0: None}.get(cfg.fisher_rounds, cfg.fisher_rounds),
         round_choice=cfg.round_choice or base.round_choice,
-        reprobe_after=base.reprobe_after if cfg.reprobe_after == -1 else cfg.reprobe_after,
+        reprobe_after={-1: base.reprobe_after, 0: None}.get(cfg.reprobe_after, cfg.reprobe_after),
     )
 
 

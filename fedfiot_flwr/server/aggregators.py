@@ -115,11 +115,9 @@ class FedFiOTAggregator:
         self.settings = config
         self.reply_kind = "gram" if config.curvature == "gram" else "fisher"
         self._told_close = False
-        self.handover_round: int | None = None
-        """The first round the clients' choice made FedAvg without the curvature (``None``: not yet)."""
-        self.resume_round: int | None = None
-        """The round after that hand-over that asks for the curvature again (``None``: none)."""
-        self._handover_reason = "fisher_rounds"
+        self.handover: tuple[int, int | None, str] | None = None
+        """The clients' choice's latest hand-over: its first FedAvg round, the round that asks for the
+        curvature again (``None``: none) and why (``None``: no hand-over yet)."""
 
     def config(self) -> dict[str, Any]:
         """The FedFiOT configuration."""
@@ -142,21 +140,20 @@ class FedFiOTAggregator:
     def hand_over(self, from_round: int, resume_round: int | None = None, reason: str = "the clients' choice") -> None:
         """Make the rounds from ``from_round`` up to ``resume_round`` (excluded; ``None``: every later one)
         FedAvg without the clients' curvature, for ``reason`` (the clients' choice)."""
-        self.handover_round = int(from_round)
-        self.resume_round = None if resume_round is None else int(resume_round)
-        self._handover_reason = reason
+        self.handover = (int(from_round), None if resume_round is None else int(resume_round), reason)
 
     @property
     def handover_reason(self) -> str:
         """Why the rounds after the hand-over are FedAvg, in words."""
-        return "fisher_rounds" if self.handover_round is None else self._handover_reason
+        return "fisher_rounds" if self.handover is None else self.handover[2]
 
     def wants_fisher(self, server_round: int) -> bool:
         """Whether round ``server_round`` merges with the clients' curvature (``fisher_rounds``, or outside
         the clients' choice's hand-over)."""
-        if self.handover_round is not None and server_round >= self.handover_round and (
-                self.resume_round is None or server_round < self.resume_round):
-            return False
+        if self.handover is not None:
+            first, resume, _ = self.handover
+            if first <= server_round and (resume is None or server_round < resume):
+                return False
         return uses_fisher(server_round, self.settings.fisher_rounds)
 
     def train_config(self, server_round: int) -> dict[str, Any]:

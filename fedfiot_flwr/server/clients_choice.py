@@ -99,8 +99,6 @@ class ClientsChoice:
         self.aggregate_metrics = aggregate_metrics
         self.fedavg_streak = 0
         """Rounds in a row that FedAvg won."""
-        self.handovers = 0
-        """Hand-overs since the merge last won."""
         self.window: tuple[int, int | None] | None = None
         """The latest hand-over's FedAvg rounds, ``(first, resume)`` (``resume`` ``None``: for good)."""
         self.rounds: dict[int, ChoiceScores] = {}
@@ -166,11 +164,15 @@ class ClientsChoice:
         when the curvature goes on: FedAvg has won ``handover_after`` rounds in a row (a probe round
         FedAvg wins counts as one more hand-over, a round the merge wins resets both counts)."""
         if self.fedavg_streak < self.handover_after:
-            self.handovers = 0
             return None
-        self.handovers += 1
         self.window = handover_window(server_round, self.handovers, self.reprobe_after)
         return self.window
+
+    @property
+    def handovers(self) -> int:
+        """Hand-overs in a row so far: the first comes with the ``handover_after``-th FedAvg win, and every
+        later round the clients choose in is a probe round."""
+        return max(0, self.fedavg_streak - self.handover_after + 1)
 
     def handover_sentence(self) -> str:
         """Why the latest hand-over happened and how long it lasts, in words."""
@@ -181,14 +183,12 @@ class ClientsChoice:
 
     def state(self) -> dict[str, Any]:
         """JSON-ready state a resumed run needs."""
-        return {"fedavg_streak": self.fedavg_streak, "handovers": self.handovers,
-                "window": None if self.window is None else list(self.window),
+        return {"fedavg_streak": self.fedavg_streak, "window": None if self.window is None else list(self.window),
                 "rounds": {str(r): asdict(s) for r, s in self.rounds.items()}}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Take back :meth:`state`."""
         self.fedavg_streak = int(state.get("fedavg_streak", 0))
-        self.handovers = int(state.get("handovers", 0))
         window = state.get("window")
         self.window = None if window is None else (int(window[0]), None if window[1] is None else int(window[1]))
         self.rounds = {int(r): ChoiceScores(**s) for r, s in dict(state.get("rounds", {})).items()}

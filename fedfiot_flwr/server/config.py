@@ -55,6 +55,15 @@ __all__ = ["FedFiOTConfig", "SELECTIONS"]
 
 
 
+def _check_count(name: str, value: Any, none_means: str | None = None) -> None:
+    """Refuse ``value`` unless it is an integer >= 1 (or ``None`` when ``none_means`` says what ``None`` does)."""
+    if value is None and none_means is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = "an integer >= 1" + ("" if none_means is None else f", {none_means}")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class FedFiOTConfig:
     """FedFiOT's server-side options.
@@ -215,19 +224,13 @@ class FedFiOTConfig:
             raise ValueError(f"gram_cap must be >= 1, or 0 / None for no cap, got {self.gram_cap!r}")
         if self.fisher_cap_rule not in FISHER_CAP_RULES:
             raise ValueError(f"fisher_cap_rule must be one of {FISHER_CAP_RULES}, got {self.fisher_cap_rule!r}")
-        if self.fisher_rounds is not None and (isinstance(self.fisher_rounds, bool)
-                                               or not isinstance(self.fisher_rounds, int) or self.fisher_rounds < 1):
-            raise ValueError(f"fisher_rounds must be an integer >= 1, or None for every round, got {self.fisher_rounds!r}")
+        _check_count("fisher_rounds", self.fisher_rounds, "or None for every round")
         if self.round_choice not in ROUND_CHOICES:
             raise ValueError(f"round_choice must be one of {ROUND_CHOICES}, got {self.round_choice!r}")
-        if isinstance(self.handover_after, bool) or not isinstance(self.handover_after, int) or self.handover_after < 1:
-            raise ValueError(f"handover_after must be an integer >= 1, got {self.handover_after!r}")
+        _check_count("handover_after", self.handover_after)
         if self.reprobe_after == 0 and not isinstance(self.reprobe_after, bool):  # 0: for good, as None
             object.__setattr__(self, "reprobe_after", None)
-        if self.reprobe_after is not None and (isinstance(self.reprobe_after, bool)
-                                               or not isinstance(self.reprobe_after, int) or self.reprobe_after < 1):
-            raise ValueError(f"reprobe_after must be an integer >= 1, or 0 / None for a hand-over for good, "
-                             f"got {self.reprobe_after!r}")
+        _check_count("reprobe_after", self.reprobe_after, "or 0 / None for a hand-over for good")
         MergeOptions(curvature=self.curvature, gram_alpha=self.gram_alpha, gram_ridge=self.gram_ridge,
                      matching=self.matching, aggregation=self.aggregation)  # validates the curvature's options
         for name in ("warm_start", "race"):
