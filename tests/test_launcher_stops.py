@@ -9,6 +9,7 @@ is live, a second launcher on its directory is refused and told which process ho
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -142,4 +143,12 @@ def test_a_stopped_launcher_leaves_nothing_running_and_the_run_resumes_as_uninte
     largest = max(float(np.max(np.abs(model[k] - uninterrupted[k]))) for k in uninterrupted)
     print(f"\n{signum.name}: nothing of the run left {took:.1f}s after the signal; resumed to a final model "
           f"{largest:.3g} from the uninterrupted one (stale lock taken over: {stale})")
-    assert largest <= 1e-6
+    assert largest <= 1e-6, _what_the_run_left(run_dir, results / "resumed")
+
+
+def _what_the_run_left(run_dir: Path, resumed_dir: Path) -> str:
+    """The stopped run's rounds (replies, exclusions) and where the resumed run went on from, for a failure."""
+    stopped, resumed = (json.loads((d / "results.json").read_text()) for d in (run_dir, resumed_dir))
+    rounds = [(r["round"], len(r.get("clients", [])), r.get("rejected"), "test" in r) for r in stopped["rounds"]]
+    return (f"stopped run: status {stopped['status']}, error {stopped.get('error')}, rounds (round, replies, excluded, "
+            f"tested) {rounds}; resumed from {resumed.get('resumed_from')}")

@@ -405,7 +405,9 @@ def test_a_deployment_killed_after_round_2_resumes_and_ends_as_the_uninterrupted
 
 #: A ServerApp process as Flower's simulation runtime runs it: Flower's signal handlers in the main thread, the
 #: recorded run in another. In round 3 the process is asked to stop (``SIGNUM``) and the last client of the round
-#: dies in the shutdown (an error reply), as a ClientApp does when its federation is stopped under it.
+#: dies in the shutdown (an error reply), as a ClientApp does when its federation is stopped under it: after the
+#: process heard of the stop ("stop-first"), or a second before it ("dies-first": the stop reached the clients
+#: before the ServerApp's main thread ran its handler).
 STOPPED_PROCESS = """
 import os, signal, sys, threading, time
 from pathlib import Path
@@ -425,10 +427,14 @@ class DyingInTheShutdown(Clients):
     def __call__(self, node, msg):
         if (msg.metadata.message_type == MessageType.TRAIN and int(msg.content["config"]["server-round"]) == 3
                 and node == NODES[-1]):
-            os.kill(os.getpid(), getattr(signal, sys.argv[3]))
-            deadline = time.monotonic() + 10
-            while not stop_requested() and time.monotonic() < deadline:
-                time.sleep(0.01)
+            stop = lambda: os.kill(os.getpid(), getattr(signal, sys.argv[3]))
+            if sys.argv[4] == "dies-first":
+                threading.Timer(1.0, stop).start()
+            elif sys.argv[4] == "stop-first":
+                stop()
+                deadline = time.monotonic() + 10
+                while not stop_requested() and time.monotonic() < deadline:
+                    time.sleep(0.01)
             return Message(Error(code=0, reason="ClientAppActor died"), reply_to=msg)
         return super().__call__(node, msg)
 
@@ -441,10 +447,12 @@ server.join()
 """
 
 
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
-def test_a_round_during_which_the_serverapp_was_asked_to_stop_is_not_taken_for_complete(tmp_path: Path,
-                                                                                         signum: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", STOPPED_PROCESS, str(Path(__file__).parent), str(tmp_path), signum],
+@pytest.mark.parametrize(("signum", "order"), [("SIGTERM", "stop-first"), ("SIGINT", "stop-first"),
+                                               ("SIGTERM", "dies-first")])
+def test_a_round_during_which_the_serverapp_was_asked_to_stop_is_not_taken_for_complete(tmp_path: Path, signum: str,
+                                                                                         order: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", STOPPED_PROCESS, str(Path(__file__).parent), str(tmp_path), signum,
+                           order],
                           capture_output=True, text=True, timeout=120, check=False)
     run_dir = tmp_path / "stopped"
     data = json.loads((run_dir / "results.json").read_text())
@@ -458,3 +466,14 @@ def test_a_round_during_which_the_serverapp_was_asked_to_stop_is_not_taken_for_c
     whole = _run(RunRecorder.create(tmp_path, "whole", CONFIG), Clients())
     final, reference = arrays_to_numpy(result.arrays), arrays_to_numpy(whole.arrays)
     assert all(np.array_equal(final[k], reference[k]) for k in reference)
+
+
+def test_a_round_that_lost_a_client_without_a_stop_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", STOPPED_PROCESS, str(Path(__file__).parent), str(tmp_path), "SIGTERM",
+                           "dies-alone"], capture_output=True, text=True, timeout=120, check=False)
+    data = json.loads((tmp_path / "stopped" / "results.json").read_text())
+    assert data["status"] == "finished", proc.stderr[-3000:]
+    rounds = {r["round"]: r for r in data["rounds"]}
+    assert sorted(rounds) == [1, 2, 3, 4] and all("test" in r for r in rounds.values())
+    assert [r["client"] for r in rounds[3]["rejected"]] == [str(NODES[-1])]
+    assert load_resume_point(tmp_path / "stopped").round == len(rounds)

@@ -46,7 +46,8 @@ from fedfiot_flwr.server.checkpoint import (
 from fedfiot_flwr.server.rounds import jsonable
 from fedfiot_flwr.server.run_lock import RunDirectoryHeld, RunLock
 from fedfiot_flwr.server.shell import MergeStrategy, arrays_to_numpy, numpy_to_arrays
-from fedfiot_flwr.server.stop_request import RunStopped, stop_requested, watch_stop_signals
+from fedfiot_flwr.server.stop_request import (STOP_NOTICE_S, RunStopped, stop_requested, stop_requested_within,
+                                              watch_stop_signals)
 
 __all__ = ["RunDirectoryHeld", "RunRecorder", "save_checkpoint", "unique_run_dir"]
 
@@ -70,6 +71,14 @@ def unique_run_dir(results_dir: str | os.PathLike[str], name: str) -> Path:
 
 def _scalars(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return None if metrics is None else jsonable(dict(metrics))
+
+
+def _stopped_during(strategy: MergeStrategy, server_round: int) -> bool:
+    """Whether the process was asked to stop during round ``server_round``. A round that lost replies waits up to
+    :data:`STOP_NOTICE_S` for the request: the shutdown that took those clients may be heard after them."""
+    if stop_requested():
+        return True
+    return bool(strategy.lost_replies.get(server_round)) and stop_requested_within(STOP_NOTICE_S)
 
 
 class RunRecorder:
@@ -275,7 +284,8 @@ class RunRecorder:
         :class:`~fedfiot_flwr.server.run_lock.RunDirectoryHeld` before that too. A failing run is
         recorded as failed with the error, then the error is raised. A round during which the process
         was asked to stop (:mod:`fedfiot_flwr.server.stop_request`) may have lost replies to the
-        shutdown: it is neither tested nor checkpointed (its merge report stays in the results), and
+        shutdown: it is neither tested nor checkpointed (a round that lost replies first waits up to
+        :data:`~fedfiot_flwr.server.stop_request.STOP_NOTICE_S` seconds for such a request) (its merge report stays in the results), and
         the run ends with :class:`~fedfiot_flwr.server.stop_request.RunStopped`.
         """
         watch_stop_signals()
@@ -293,7 +303,7 @@ class RunRecorder:
 
         def recorded_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             # A round during a stop may have lost replies to the shutdown: it is not a complete round.
-            if server_round > 0 and stop_requested():
+            if server_round > 0 and _stopped_during(strategy, server_round):
                 raise RunStopped(f"the run was asked to stop (a signal) during round {server_round}: round "
                                  f"{server_round} is neither tested nor checkpointed; the last complete round is "
                                  f"{server_round - 1}")

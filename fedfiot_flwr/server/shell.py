@@ -269,6 +269,8 @@ class MergeStrategy(FedAvg):
         self._sent: list[Message] = []
         self._node_waiter = NodeWaiter(own.node_wait_s)
         self.unavailable_nodes: dict[int, list[int]] = {}  # round -> nodes lost since an earlier round
+        self.lost_replies: dict[int, int] = {}
+        """Per round, the instructions whose answer was lost: error replies, no reply, nodes gone before it."""
         self.history = RoundHistory()
         """Flower's per-round metrics so far (what ``start``'s ``Result`` holds), kept for a resume."""
         self.resumed_after = 0
@@ -463,18 +465,21 @@ class MergeStrategy(FedAvg):
             excluded client with the reason).
         """
         sent = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent if m.metadata.message_id}
-        good, errors = [], []
+        good, errors, failed, answered = [], [], 0, set()
         first = FirstReplies()  # in arrival order, error replies included
         for msg in replies:
             node = self._node_of(msg, sent)
+            answered.add(node)
             duplicate = first.duplicate(node)
             if duplicate is not None:
                 errors.append((node, duplicate))
             elif msg.has_error():
+                failed += 1
                 errors.append((node, f"error reply: {msg.error.reason} (code {msg.error.code})"))
             else:
                 good.append((node, msg.content))
         lost = self.unavailable_nodes.get(server_round)
+        self.lost_replies[server_round] = failed + len(lost or ()) + len({str(n) for n in sent.values()} - answered)
         try:
             result = self.merger.run_round(server_round, good, errors, self._broadcast)
         finally:

@@ -21,10 +21,15 @@ import signal
 import threading
 from types import FrameType
 
-__all__ = ["RunStopped", "STOP_SIGNALS", "stop_requested", "watch_stop_signals"]
+__all__ = ["STOP_NOTICE_S", "RunStopped", "STOP_SIGNALS", "stop_requested", "stop_requested_within",
+           "watch_stop_signals"]
 
 #: The signals that ask a process to stop.
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: Seconds a round that lost replies (error replies, nodes gone) waits for a stop request before it is recorded. A
+#: federation being stopped can take its ClientApps down before the ServerApp's process hears of it: the signal's
+#: handler runs in the main thread, which may be busy in native code, and Flower notices a dead parent by polling.
+STOP_NOTICE_S = 5.0
 
 _requested = threading.Event()
 _watching = threading.Lock()
@@ -38,6 +43,11 @@ class RunStopped(RuntimeError):
 def stop_requested() -> bool:
     """Whether this process has been asked to stop since :func:`watch_stop_signals` was called."""
     return _requested.is_set()
+
+
+def stop_requested_within(seconds: float) -> bool:
+    """Whether this process has been asked to stop, or is asked within ``seconds`` (it waits at most that long)."""
+    return _requested.wait(seconds)
 
 
 def watch_stop_signals() -> None:
