@@ -90,6 +90,21 @@ def test_no_step_of_the_alternation_raises_the_objective(uploads: tuple) -> None
     assert out.aligned == (out.aligned_objective <= out.identity_objective)
 
 
+def test_each_distinct_summed_gram_is_factorised_once_per_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first layer's inputs are never permuted: its summed Gram is the same in every alternation pass and in
+    both final merges, and its pseudo-inverse (an eigendecomposition) is computed once; the merge is unchanged."""
+    _, models, grams, sizes, spec = ("cnn", *_uploads("cnn"))
+    first = next(iter(grams[0].values())).gram.shape[0]
+    options = MergeOptions(curvature="gram", max_iters=3)
+    fresh = merge(models, grams, spec, options, num_examples=sizes)
+    eigh, sizes_seen = np.linalg.eigh, []
+    monkeypatch.setattr(np.linalg, "eigh", lambda a, *x, **k: (sizes_seen.append(a.shape[0]), eigh(a, *x, **k))[1])
+    out = merge(models, grams, spec, options, num_examples=sizes)
+    assert sizes_seen.count(first) == 1 and len(sizes_seen) > 1
+    assert sum(len(r.objectives) for r in out.reports.values()) > len(out.reports)  # several passes ran
+    assert all(np.array_equal(out.model[n], fresh.model[n]) for n in fresh.model)
+
+
 def test_a_permuted_copy_of_a_cnn_is_recovered_exactly() -> None:
     models, grams, sizes, spec = _uploads("cnn", k=1)
     rng = np.random.default_rng(0)

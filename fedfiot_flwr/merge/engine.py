@@ -633,7 +633,7 @@ def _gram_group(
             weight = np.asarray(options.reference[g.weight], dtype=np.float64)  # type: ignore[index]
             bias = None if g.bias is None else np.asarray(options.reference[g.bias], dtype=np.float64)  # type: ignore[index]
             ref_layer.append(layer_matrix(weight.reshape(weight.shape[0], -1), bias))
-    return GramLayers(views, clients.shares, options.gram_rcond), ref_layer
+    return GramLayers(views, clients.shares, options.gram_rcond, lambda s: clients.pinv(s, options.gram_rcond)), ref_layer
 
 
 def _candidates(

@@ -29,7 +29,9 @@ The reference form of the same algorithm is :func:`fedfiot_flwr.algorithm.fedfio
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,12 +98,13 @@ def closed_form(w_avg: np.ndarray, r: np.ndarray, s: np.ndarray, rcond: float = 
 
 
 def regmean_solution(mats: Sequence[np.ndarray], curvatures: Sequence[np.ndarray], shares: Sequence[float],
-                     rcond: float = 1e-10) -> np.ndarray:
-    """:func:`closed_form` for ``S = sum_k A_k``, ``R = sum_k M_k A_k``, ``w_avg = sum_k shares_k M_k``."""
+                     rcond: float = 1e-10, pinv: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+    """:func:`closed_form` for ``S = sum_k A_k``, ``R = sum_k M_k A_k``, ``w_avg = sum_k shares_k M_k``
+    (``pinv``: where ``S^+`` comes from, :func:`psd_pinv` by default)."""
     s = sum(curvatures[1:], curvatures[0])
     r = sum((m @ a for m, a in zip(mats[1:], curvatures[1:])), mats[0] @ curvatures[0])
     w_avg = sum(c * m for c, m in zip(shares, mats))
-    return closed_form(w_avg, r, s, rcond)
+    return closed_form(w_avg, r, s, rcond, None if pinv is None else pinv(s))
 
 
 def input_order(entry: AxisPerm | None, done: Mapping[str, np.ndarray], shape: Sequence[int],
@@ -183,6 +186,9 @@ class PreparedGrams:
         Full merges computed so far, by curvature knobs (and alignment).
     """
 
+    #: Bytes of pseudo-inverses :meth:`pinv` keeps (the least recently used go first).
+    PINV_CACHE_BYTES = 256 * 2**20
+
     models: list[Model]
     grams: list[dict[str, np.ndarray]]
     layers: dict[str, InputGram]
@@ -193,6 +199,7 @@ class PreparedGrams:
     identity_merges: dict = field(default_factory=dict, repr=False)
     aligned_merges: dict = field(default_factory=dict, repr=False)
     _curvatures: dict = field(default_factory=dict, repr=False)
+    _pinvs: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def __len__(self) -> int:
         return len(self.models)
@@ -211,6 +218,20 @@ class PreparedGrams:
             self._curvatures = {key: [{l: c * scaled_gram(g, alpha, ridge) for l, g in gk.items()}
                                       for gk, c in zip(self.grams, factors)]}
         return self._curvatures[key]
+
+    def pinv(self, s: np.ndarray, rcond: float) -> np.ndarray:
+        """:func:`psd_pinv` of ``s``, computed once per distinct ``s``: a layer's summed Gram recurs in every
+        alternation pass whose input permutation did not change, and again in the final merges."""
+        key = (float(rcond), s.shape, hashlib.blake2b(np.ascontiguousarray(s).data, digest_size=16).digest())
+        found = self._pinvs.get(key)
+        if found is None:
+            found = psd_pinv(s, rcond)
+            self._pinvs[key] = found
+            while sum(v.nbytes for v in self._pinvs.values()) > self.PINV_CACHE_BYTES and len(self._pinvs) > 1:
+                self._pinvs.popitem(last=False)
+        else:
+            self._pinvs.move_to_end(key)
+        return found
 
 
 def prepare_grams(models: Sequence[Model], grams: Sequence[Mapping[str, InputGram]], *,
@@ -306,10 +327,12 @@ class GramLayers:
         The clients' shares of the examples (the size-weighted average the closed form stays near).
     rcond : float
         Relative cut-off of the pseudo-inverse of ``S_l``.
+    pinv : callable, optional
+        Where ``S_l^+`` comes from (:meth:`PreparedGrams.pinv`, which reuses it); :func:`psd_pinv` by default.
     """
 
     def __init__(self, views: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], shares: np.ndarray,
-                 rcond: float = 1e-10) -> None:
+                 rcond: float = 1e-10, pinv: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self.n_clients, self.shares, self.rcond = len(views), shares, rcond
         self.layers = [[m for m, _ in vk] for vk in views]
         self.curvatures = [[a for _, a in vk] for vk in views]
@@ -319,7 +342,8 @@ class GramLayers:
         self.const = float(sum(float(r.sum()) for rk in self.row_const for r in rk))
         members = len(views[0])
         self.den = [sum(self.curvatures[k][i] for k in range(self.n_clients)) for i in range(members)]
-        self.pinv = [psd_pinv(s, rcond) for s in self.den]  # S_l does not change while this group aligns
+        inverse = pinv if pinv is not None else (lambda s: psd_pinv(s, rcond))
+        self.pinv = [inverse(s) for s in self.den]  # S_l does not change while this group aligns
 
     def costs(self, w: Sequence[np.ndarray], skip: Collection[int] = ()) -> Iterator[np.ndarray | None]:
         """Per client, ``C[i, j] = sum_l (w_l,i - m_kl,j) A_kl (w_l,i - m_kl,j)^T`` up to a row constant.
@@ -374,7 +398,8 @@ def merge_with_grams(prepared: PreparedGrams, spec: PermutationSpec, perms: Sequ
     terms: dict[str, float] = {}
     for layer, g in prepared.layers.items():
         views = [layer_view(prepared, k, layer, curvatures[k][layer], spec, pk, rows=True) for k, pk in enumerate(perms)]
-        w = regmean_solution([m for m, _ in views], [a for _, a in views], shares, rcond)
+        w = regmean_solution([m for m, _ in views], [a for _, a in views], shares, rcond,
+                             lambda s: prepared.pinv(s, rcond))
         terms[layer] = float(sum(np.sum(((w - m) @ a) * (w - m)) for m, a in views))
         shape = prepared.shapes[g.weight]
         n_w = int(np.prod(shape[1:]))
