@@ -46,7 +46,7 @@ from fedfiot_flwr.server.checkpoint import (
 from fedfiot_flwr.server.rounds import jsonable
 from fedfiot_flwr.server.run_lock import RunDirectoryHeld, RunLock
 from fedfiot_flwr.server.shell import MergeStrategy, arrays_to_numpy, numpy_to_arrays
-from fedfiot_flwr.server.stop_request import (STOP_NOTICE_S, RunStopped, stop_requested, stop_requested_within,
+from fedfiot_flwr.server.stop_request import (STOP_NOTICE_S, RunStopped, stop_requested_within,
                                               watch_stop_signals)
 
 __all__ = ["RunDirectoryHeld", "RunRecorder", "save_checkpoint", "unique_run_dir"]
@@ -76,9 +76,7 @@ def _scalars(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def _stopped_during(strategy: MergeStrategy, server_round: int) -> bool:
     """Whether the process was asked to stop during round ``server_round``. A round that lost replies waits up to
     :data:`STOP_NOTICE_S` for the request: the shutdown that took those clients may be heard after them."""
-    if stop_requested():
-        return True
-    return bool(strategy.lost_replies.get(server_round)) and stop_requested_within(STOP_NOTICE_S)
+    return stop_requested_within(STOP_NOTICE_S if strategy.lost_replies.get(server_round) else 0.0)
 
 
 class RunRecorder:
