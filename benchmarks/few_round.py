@@ -115,7 +115,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--rounds and --fedavg-rounds must be >= 1")
     if not 0.0 < args.train_fraction <= 1.0:
         p.error("--train-fraction must be in (0, 1]")
-    known = (*FEW_ROUND_METHODS, "fedfiot-default-noalign")
+    known = (*FEW_ROUND_METHODS, "fedfiot-default-noalign", "fedfiot-gram")
     bad = [m for m in (*args.methods, *args.ablations) if m not in known]
     if bad:
         p.error(f"unknown methods {bad}; choose from {list(known)}")
@@ -177,7 +177,7 @@ class Federation:
             rec = res.record()
             rec["upload_bytes_per_client"] = res.upload_bytes
             rec["alignment_fraction_permuted"] = H.fedfiot_alignment_fraction(uploads.quantized, self.spec, self.buffers)
-            rec["kept"] = "-"
+            rec["kept"] = res.knobs.get("variant", "-")
         else:
             config = config_for(method, self.setting.init, self.args.grid, server_round)
             res = H.apply_method(method, config, uploads, self.spec, self.buffers, ev.validate,
@@ -238,8 +238,10 @@ def run_setting(args: argparse.Namespace, init: str, seed: int, state: dict[str,
         return
     federation = Federation(args, setting, split, state, log)
     log(f"{args.dataset} a={args.alpha:g} {init} E={args.epochs} seed {seed}: clients hold {split.client_sizes}")
-    broadcast = H.state_numpy(federation.cfg.build_model(split)) if init == "shared" else None
-    round1 = federation.train(broadcast, 1)
+    if args.train_fraction >= 1.0:  # round 1 is the one-shot benchmark's round: its cached clients when there
+        round1 = H.one_shot_uploads(setting, split, federation.buffers, device=federation.device, log=log)
+    else:
+        round1 = federation.train(H.shared_init(setting, split), 1)
     for method in todo:
         num_rounds = args.fedavg_rounds if method == "fedavg" else args.rounds
         ablations = args.ablations if method == args.ablate_on else ()

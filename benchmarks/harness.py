@@ -40,7 +40,7 @@ from fedfiot_flwr.client import ClientRound, train_round
 from fedfiot_flwr.data import FederatedSplit
 from fedfiot_flwr.merge import METHODS, PermutationSpec, merge, prepare_clients
 from fedfiot_flwr.models import permutation_spec
-from fedfiot_flwr.options import DEFAULT_GRID_GRAM_ALPHAS, DEFAULT_GRID_LAMS, DEFAULT_GRID_RHOS, DEFAULT_LAM, DEFAULT_RHO, INITS, Model
+from fedfiot_flwr.options import DEFAULT_GRID_GRAM_ALPHAS, DEFAULT_KFAC_DAMPING, DEFAULT_GRID_LAMS, DEFAULT_GRID_RHOS, DEFAULT_LAM, DEFAULT_RHO, INITS, Model
 from fedfiot_flwr.server.aggregators import FedFiOTAggregator, FedFisherAggregator, RegMeanAggregator
 from fedfiot_flwr.server.config import FedFiOTConfig
 from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome
@@ -90,14 +90,17 @@ METHOD_LABELS = {
     "fedfisher-kfac": "FedFisher (K-FAC)",
     "regmean": "RegMean",
     "fedfiot-gram": "FedFiOT default preset, Gram curvature (server data only chooses)",
+    "fedfiot-kfac": "FedFiOT default preset, K-FAC curvature with a diagonal output factor (server data only chooses)",
     "regmean-gram": "RegMean on the same Gram replies (Linear and Conv2d, the same alpha grid)",
 }
 # The paper's curvature baselines: they need each client's curvature of its trained model,
 # computed here from the cached trained weights on the client's own unaugmented data and cached next
 # to the uploads. Not in ONE_SHOT_METHODS: FedFisher's 2000 server steps (with a validation pass
 # every 100) and the K-FAC factors of the true Fisher are slow on CPU; select them with --methods.
-CURVATURE_METHODS = ("fedfisher-diag", "fedfisher-kfac", "regmean", "fedfiot-gram", "regmean-gram")
-GRAM_REPLY_METHODS = ("fedfiot-gram", "regmean-gram")
+CURVATURE_METHODS = ("fedfisher-diag", "fedfisher-kfac", "regmean", "fedfiot-gram", "regmean-gram", "fedfiot-kfac")
+GRAM_REPLY_METHODS = ("fedfiot-gram", "regmean-gram", "fedfiot-kfac")
+FEDFIOT_CURVATURES = {"fedfiot-gram": "gram", "fedfiot-kfac": "kfac"}
+"""The FedFiOT methods with a layer curvature, and the curvature each asks the clients for."""
 """Methods that merge the ClientApp's Gram reply (every Linear and Conv2d layer): the same cached replies."""
 GRAM_METHODS = ("regmean", *GRAM_REPLY_METHODS)
 """Methods whose curvature is the clients' input Grams (no Fisher kind)."""
@@ -887,8 +890,8 @@ def curvature_replies(
         return CurvatureReplies(list(uploads.replies), uploads.fisher_seconds, True)
     device = device or default_device()
     short = {"regmean": "gram", "fedfisher-kfac": "kfac", "fedfisher-diag": "diag"}
-    tag = ("fedfiot-gram" if method in GRAM_REPLY_METHODS else short[method] if method == "regmean"
-           else f"{short[method]}-{fisher_kind}")  # the cache's file names
+    tag = ("fedfiot-kfac" if method == "fedfiot-kfac" else "fedfiot-gram" if method in GRAM_REPLY_METHODS
+           else short[method] if method == "regmean" else f"{short[method]}-{fisher_kind}")  # the cache's file names
     replies: list[RecordDict] = []
     seconds, cached = 0.0, True
     for pid in range(setting.clients):
@@ -905,7 +908,7 @@ def curvature_replies(
         if method in GRAM_REPLY_METHODS:  # the ClientApp's reply when the train config asks for the Gram curvature
             reply = fisher_reply(model, loader, uploads.quantized.metrics[pid],
                                  num_examples=len(split.client_indices[pid]), device=device,
-                                 config={CURVATURE_CONFIG_KEY: "gram"})
+                                 config={CURVATURE_CONFIG_KEY: FEDFIOT_CURVATURES.get(method, "gram")})
         else:
             reply = curvature_reply(method, model, loader, num_examples=len(split.client_indices[pid]),
                                     metrics=uploads.quantized.metrics[pid], fisher_kind=fisher_kind, device=device)
@@ -946,7 +949,8 @@ class CurvatureMethodResult:
         return {"fedfisher-diag": "q16 weights + Fisher", "fedfisher-kfac": "q16 weights + 8-bit K-FAC",
                 "regmean": "q16 weights + 8-bit Grams",
                 "fedfiot-gram": "q16 weights + 8-bit Grams (Linear and Conv2d)",
-                "regmean-gram": "q16 weights + 8-bit Grams (Linear and Conv2d)"}[self.method]
+                "regmean-gram": "q16 weights + 8-bit Grams (Linear and Conv2d)",
+                "fedfiot-kfac": "q16 weights + 8-bit Grams + float32 output factors"}[self.method]
 
     def record(self) -> dict[str, Any]:
         """JSON-friendly summary (no model)."""
@@ -971,10 +975,10 @@ def curvature_aggregator(method: str, steps: int = FEDFISHER_STEPS, fisher_kind:
         return RegMeanAggregator()
     if method == "regmean-gram":  # the engine without alignment, on FedFiOT's replies and alpha grid
         return RegMeanAggregator(alphas=DEFAULT_GRID_GRAM_ALPHAS)
-    if method == "fedfiot-gram":
+    if method in FEDFIOT_CURVATURES:
         if spec is None:
-            raise ValueError("fedfiot-gram needs the model's permutation spec")
-        return FedFiOTAggregator(spec, FedFiOTConfig.default(curvature="gram").for_server(True))
+            raise ValueError(f"{method} needs the model's permutation spec")
+        return FedFiOTAggregator(spec, FedFiOTConfig.default(curvature=FEDFIOT_CURVATURES[method]).for_server(True))
     variant = {"fedfisher-kfac": "kfac", "fedfisher-diag": "diag"}[method]
     return FedFisherAggregator(variant, steps=steps, fisher_kind=fisher_kind, device=device)
 
@@ -986,9 +990,11 @@ def curvature_knobs(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str 
     if method == "regmean-gram":
         return (f"alpha {list(DEFAULT_GRID_GRAM_ALPHAS)} (FedFiOT's Gram grid), no alignment [the fedfiot-gram "
                 "replies: q16 weights + 8-bit rank-capped Grams of every Linear and Conv2d layer]")
-    if method == "fedfiot-gram":
-        return ("alpha x reference x (aligned | identity | FedAvg), the default preset's sweep with the Gram "
-                "curvature [q16 weights + 8-bit rank-capped Grams of every Linear and Conv2d layer, <= FedAvg bytes]")
+    if method in FEDFIOT_CURVATURES:
+        what = ("Gram curvature" if method == "fedfiot-gram" else
+                f"K-FAC curvature (output-factor damping {DEFAULT_KFAC_DAMPING:g}), float32 output factors")
+        return (f"alpha x reference x (aligned | identity | FedAvg), the default preset's sweep with the {what} "
+                "[q16 weights + 8-bit rank-capped Grams of every Linear and Conv2d layer, <= FedAvg bytes]")
     return (f"checkpoint every 100 of {steps} steps (FedFisher's update rule, lr 0.01, size-weighted), "
             f"{fisher_kind} Fisher" + (" [q16 weights + 8-bit rank-capped K-FAC, <= FedAvg bytes]"
                                         if method == "fedfisher-kfac" else " [q16 weights + Fisher]"))
@@ -1017,7 +1023,7 @@ def apply_curvature_method(
     from fedfiot_flwr.wire import fedavg_payload_bytes
 
     cr = curvature_replies(method, setting, split, uploads, build, fisher_kind, cache_dir, device, log)
-    spec = permutation_spec(build()) if method == "fedfiot-gram" else None
+    spec = permutation_spec(build()) if method in FEDFIOT_CURVATURES else None
     aggregator = curvature_aggregator(method, steps, fisher_kind, device, spec)
     ids = [str(i) for i in range(len(cr.replies))]
     expected = {k: tuple(v.shape) for k, v in uploads.float32.weights[0].items()}

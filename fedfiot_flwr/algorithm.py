@@ -6,8 +6,9 @@ bit-identical models and permutations (``tests/test_algorithm_reference.py``). C
 "engine:" name a choice the paper leaves open, made here as the engine makes it.
 
 :func:`fedfiot_gram_merge` is the same alternation with a layer curvature in place of the diagonal
-Fisher: RegMean's input Gram (:class:`GramCurvature`), for Linear and Conv2d layers; both of its steps
-minimise one objective, and without alignment it is RegMean.
+Fisher: RegMean's input Gram (:class:`GramCurvature`), for Linear and Conv2d layers, or K-FAC with a
+diagonal output factor (the Gram with each unit weighted, ``output_damping``); both of its steps minimise
+one objective, and without alignment the Gram form is RegMean.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from fedfiot_flwr.options import DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, al
 from fedfiot_flwr.options import ModelView as Model
 
 from .baselines.regmean import regmean_solution, scale_off_diagonal
+from .merge.gram import closed_form
+from .merge.kfac import range_basis, row_weights
 from .merge.spec import AxisPerm, PermutationSpec
 from .psd import InputGram, layer_matrix
 
@@ -254,12 +257,20 @@ class GramCurvature:
         Off-diagonal scaling in [0, 1] (1: the least-squares fit on the union of the clients' inputs).
     ridge : float
         Relative ridge r >= 0 (0: RegMean's pseudo-inverse handles a singular sum).
+    output_damping : float or None
+        ``None``: the Gram curvature :math:`A_k \otimes I`. A number :math:`\delta > 0`: K-FAC with a diagonal
+        output factor, :math:`A_k \otimes \mathrm{diag}(h_k)`, :math:`h_k = (g_k / \bar g_k + \delta) / (1 + \delta)`
+        from each layer's uploaded output factor :math:`g_k` (``InputGram.output``).
     """
 
     alpha: float = 1.0
     ridge: float = 0.0
+    output_damping: float | None = None
 
     def __post_init__(self) -> None:
+        if self.output_damping is not None and not (isinstance(self.output_damping, Real)
+                                                    and 0.0 < self.output_damping < np.inf):
+            raise ValueError(f"GramCurvature: output_damping must be None or finite and > 0, got {self.output_damping!r}")
         if not (isinstance(self.alpha, Real) and 0.0 <= self.alpha <= 1.0):
             raise ValueError(f"GramCurvature: alpha must lie in [0, 1], got {self.alpha!r}")
         if not (isinstance(self.ridge, Real) and 0.0 <= self.ridge < np.inf):
@@ -354,6 +365,8 @@ def fedfiot_gram_merge(
     share = np.asarray(num_examples, dtype=np.float64) / float(np.sum(num_examples))
     x = [{n: np.asarray(t, dtype=np.float64) for n, t in wk.items()} for wk in weights]
     a = [{l: s * _scaled_gram(gk[l].gram, curvature) for l in layers} for gk, s in zip(grams, share)]
+    h = None if curvature.output_damping is None else [
+        {l: row_weights(_output(gk[l], k, l), curvature.output_damping) for l in layers} for k, gk in enumerate(grams)]
     perms: list[dict[str, np.ndarray]] = [{} for _ in weights]
     steps: dict[str, list[float]] = {}
     for group in spec.perm_names:
@@ -363,9 +376,10 @@ def fedfiot_gram_merge(
             for pk in perms:
                 pk[group] = np.arange(spec.sizes({n: np.shape(t) for n, t in weights[0].items()})[group])
             continue
-        views = [[_gram_view(xk, layers[l], ak[l], spec, pk) for l in members] for xk, ak, pk in zip(x, a, perms)]
+        views = [[(*_gram_view(xk, layers[l], ak[l], spec, pk), None if h is None else h[k][l]) for l in members]
+                 for k, (xk, ak, pk) in enumerate(zip(x, a, perms))]
         if ref is not None:
-            w = [m for m, _ in views[ref]]
+            w = [m for m, _, _ in views[ref]]
         else:
             w = [layer_matrix(np.asarray(reference[layers[l].weight], np.float64).reshape(  # type: ignore[index]
                               np.shape(reference[layers[l].weight])[0], -1),  # type: ignore[index]
@@ -374,19 +388,20 @@ def fedfiot_gram_merge(
         pi = [np.arange(w[0].shape[0])] * len(weights)
         steps[group] = [_group_objective(w, views, pi)]
         for s in range(1, max_iters + 1):
-            costs = [sum(_gram_cost(wl, m, am) for wl, (m, am) in zip(w, vk)) for vk in views]
+            costs = [sum(_gram_cost(wl, m, am, hm) for wl, (m, am, hm) in zip(w, vk)) for vk in views]
             new = [linear_sum_assignment(c)[1] for c in costs]
             if s > 1 and all(np.array_equal(p, q) for p, q in zip(new, pi)):
                 break
             pi = new
             steps[group].append(float(sum(c[np.arange(len(p)), p].sum() for c, p in zip(costs, pi))))
-            w = [regmean_solution([vk[i][0][p] for vk, p in zip(views, pi)], [vk[i][1] for vk in views], share)
+            w = [_layer_solution([vk[i][0][p] for vk, p in zip(views, pi)], [vk[i][1] for vk in views],
+                                 None if h is None else [vk[i][2][p] for vk, p in zip(views, pi)], share)
                  for i in range(len(members))]
             steps[group].append(_group_objective(w, views, pi))
         for pk, p in zip(perms, pi):
             pk[group] = p
-    aligned_model, j_aligned = _gram_aggregate(x, a, layers, spec, perms, share, weights[0])
-    identity_model, j_identity = _gram_aggregate(x, a, layers, spec, [{} for _ in weights], share, weights[0])
+    aligned_model, j_aligned = _gram_aggregate(x, (a, h), layers, spec, perms, share, weights[0])
+    identity_model, j_identity = _gram_aggregate(x, (a, h), layers, spec, [{} for _ in weights], share, weights[0])
     objectives = (sum(j_aligned.values()), sum(j_identity.values()))
     aligned = alignment_kept(*objectives)
     permutations = {g: [pk[g] for pk in perms] for g in spec.perm_names}
@@ -421,35 +436,67 @@ def _gram_view(xk: Model, g: InputGram, ak: np.ndarray, spec: PermutationSpec,
     return layer_matrix(weight.reshape(weight.shape[0], -1), bias), ak[np.ix_(index, index)]
 
 
-def _gram_cost(w: np.ndarray, m: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """``C[i, j] = (w_i - m_j) A (w_i - m_j)^T`` by matrix products."""
+def _output(g: InputGram, k: int, layer: str) -> np.ndarray:
+    if g.output is None:
+        raise ValueError(f"client {k}, Gram of {layer!r}: the K-FAC curvature needs its output factor")
+    return np.asarray(g.output, dtype=np.float64)
+
+
+def _gram_cost(w: np.ndarray, m: np.ndarray, a: np.ndarray, h: np.ndarray | None = None) -> np.ndarray:
+    """``C[i, j] = h_j (w_i - m_j) A (w_i - m_j)^T`` by matrix products (``h``: 1 without unit weights)."""
     wa, ma = w @ a, m @ a
-    return np.einsum("ic,ic->i", wa, w)[:, None] - 2.0 * wa @ m.T + np.einsum("jc,jc->j", ma, m)[None, :]
+    cost = np.einsum("ic,ic->i", wa, w)[:, None] - 2.0 * wa @ m.T + np.einsum("jc,jc->j", ma, m)[None, :]
+    return cost if h is None else cost * h[None, :]
 
 
-def _layer_objective(w: np.ndarray, m: np.ndarray, a: np.ndarray) -> float:
+def _layer_objective(w: np.ndarray, m: np.ndarray, a: np.ndarray, h: np.ndarray | None = None) -> float:
     d = w - m
-    return float(np.sum((d @ a) * d))
+    rows = np.sum((d @ a) * d, axis=1)
+    return float(np.sum(rows) if h is None else np.dot(h, rows))
 
 
-def _group_objective(w: Sequence[np.ndarray], views: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]],
+def _layer_solution(mats: Sequence[np.ndarray], grams: Sequence[np.ndarray], units: Sequence[np.ndarray] | None,
+                    share: np.ndarray) -> np.ndarray:
+    """RegMean's closed form; with unit weights, one per row: the ``W_i`` with ``W_i S_i = R_i`` nearest the
+    size-weighted average, ``S_i = sum_k h_ki A_k``, ``R_i = sum_k h_ki w_ki A_k``. Every ``h > 0``, so each
+    ``S_i`` has the range of ``S = sum_k A_k``: its pseudo-inverse is taken on the range RegMean keeps of ``S``,
+    ``U (U^T S_i U)^{-1} U^T``, so that a row and its layer drop the same directions."""
+    if units is None:
+        return regmean_solution(mats, grams, share)
+    w_avg = _total([c * m for c, m in zip(share, mats)])
+    u = range_basis(_total(list(grams)))
+    rows = []
+    for i in range(w_avg.shape[0]):
+        s_i = _total([h[i] * am for h, am in zip(units, grams)])
+        r_i = _total([h[i] * (m[i] @ am) for h, m, am in zip(units, mats, grams)])
+        pinv = u @ np.linalg.inv(u.T @ s_i @ u) @ u.T
+        rows.append(closed_form(w_avg[i:i + 1], r_i[None, :], s_i, pinv=pinv)[0])
+    return np.stack(rows)
+
+
+def _group_objective(w: Sequence[np.ndarray], views: Sequence[Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]]],
                      pi: Sequence[np.ndarray]) -> float:
     """The group's terms of J: every member layer, every client with its assignment."""
-    return sum(_layer_objective(wl, m[p], am) for vk, p in zip(views, pi) for wl, (m, am) in zip(w, vk))
+    return sum(_layer_objective(wl, m[p], am, None if hm is None else hm[p])
+               for vk, p in zip(views, pi) for wl, (m, am, hm) in zip(w, vk))
 
 
-def _gram_aggregate(x: Sequence[Model], a: Sequence[Mapping[str, np.ndarray]], layers: Mapping[str, InputGram],
+def _gram_aggregate(x: Sequence[Model], curvature: tuple, layers: Mapping[str, InputGram],
                     spec: PermutationSpec, perms: Sequence[Mapping], share: np.ndarray,
                     dtypes: Model) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """Every Gram layer in closed form, every other tensor size-weighted, after ``perms``; and J's layer terms."""
+    """Every Gram layer in closed form, every other tensor size-weighted, after ``perms``; and J's layer terms.
+
+    ``curvature``: per client the layers' ``A_k``, and per client their unit weights (or ``None``)."""
+    a, h = curvature
     model, J = {}, {}
     for name in x[0]:
         xs = [_permute(xk[name], spec.axes.get(name, ()), pk) for xk, pk in zip(x, perms)]
         model[name] = _total([c * xk for c, xk in zip(share, xs)])
     for l, g in layers.items():
         views = [_gram_view(xk, g, ak[l], spec, pk, rows=True) for xk, ak, pk in zip(x, a, perms)]
-        w = regmean_solution([m for m, _ in views], [am for _, am in views], share)
-        J[l] = sum(_layer_objective(w, m, am) for m, am in views)
+        units = None if h is None else [_permute(hk[l], spec.axes[g.weight][:1], pk) for hk, pk in zip(h, perms)]
+        w = _layer_solution([m for m, _ in views], [am for _, am in views], units, share)
+        J[l] = sum(_layer_objective(w, m, am, None if units is None else units[k]) for k, (m, am) in enumerate(views))
         n_in = int(np.prod(np.shape(x[0][g.weight])[1:]))
         model[g.weight] = w[:, :n_in].reshape(np.shape(x[0][g.weight]))
         if g.bias is not None:

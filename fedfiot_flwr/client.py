@@ -31,7 +31,7 @@ from torch import nn
 
 from fedfiot_flwr.batches import resolve_device
 from fedfiot_flwr.fisher import FISHER_KINDS, diagonal_fisher
-from fedfiot_flwr.options import CURVATURE_CONFIG_KEY, CURVATURES, FISHER_CONFIG_KEY
+from fedfiot_flwr.options import CURVATURE_CONFIG_KEY, CURVATURES, FISHER_CONFIG_KEY, GRAM_CURVATURES
 from fedfiot_flwr.task import split_batch, train
 from fedfiot_flwr.wire import (  # re-exported: the client half of the wire format
     ARRAYS_RECORD,
@@ -125,8 +125,8 @@ def _fisher_round(
     if NUM_EXAMPLES_KEY in extra:  # Flower's usual metrics dict already carries the size
         sent = extra.pop(NUM_EXAMPLES_KEY)
         num_examples = int(sent) if num_examples is None else num_examples
-    if wanted and curvature == "gram":
-        return _gram_round(model, loader, extra, num_examples, device)
+    if wanted and curvature in GRAM_CURVATURES:
+        return _gram_round(model, loader, extra, num_examples, device, outputs=curvature == "kfac")
     start = time.perf_counter()
     if wanted:
         fisher = diagonal_fisher(model, loader, fisher_kind, device=_device(device), progress=progress)
@@ -140,12 +140,13 @@ def _fisher_round(
 
 
 def _gram_round(model: nn.Module, loader: Iterable[Any], metrics: Mapping[str, float], num_examples: int | None,
-                device: torch.device | str | None) -> ClientRound:
-    """The input Grams of ``model``'s Linear and Conv2d layers over ``loader`` (one forward pass), packed."""
+                device: torch.device | str | None, outputs: bool = False) -> ClientRound:
+    """The input Grams of ``model``'s Linear and Conv2d layers over ``loader`` (one forward pass; with ``outputs``
+    also a backward pass for each layer's output factor), packed."""
     from fedfiot_flwr.curvature import input_grams
 
     start = time.perf_counter()
-    grams = input_grams(model, loader, device=_device(device), convolutions=True, sample=True)
+    grams = input_grams(model, loader, device=_device(device), convolutions=True, sample=True, outputs=outputs)
     seconds = time.perf_counter() - start
     n = count_examples(loader) if num_examples is None else int(num_examples)
     weights = {k: to_numpy(v).copy() for k, v in model.state_dict().items()}
@@ -200,7 +201,9 @@ def fisher_reply(
         names the Gram curvature (:data:`~fedfiot_flwr.options.CURVATURE_CONFIG_KEY` ``"gram"``), the
         reply carries the input Grams of the Linear and Conv2d layers in place of the Fisher (one
         forward pass, each batch's Gram estimated from a random subset of its rows that costs at
-        most the layer's forward pass; 8-bit low rank, within FedAvg's float32 bytes).
+        most the layer's forward pass; 8-bit low rank, within FedAvg's float32 bytes). ``"kfac"``
+        adds each layer's diagonal output factor (one backward pass; ``d_out`` floats per layer, the
+        Grams' rank chosen so that the reply still fits FedAvg's bytes).
 
     Returns
     -------

@@ -251,6 +251,7 @@ def input_grams(
     progress: bool = False,
     convolutions: bool = False,
     sample: bool = False,
+    outputs: bool = False,
 ) -> dict[str, InputGram]:
     """RegMean's Gram matrices ``E[x x^T]`` of every Linear layer's inputs (and Conv2d layer's patches).
 
@@ -277,6 +278,9 @@ def input_grams(
     sample : bool
         Estimate each batch's Gram from a random subset of its rows whose product costs at most
         the layer's forward pass (:func:`fedfiot_flwr.grams.forward_grams`).
+    outputs : bool
+        Also each layer's diagonal output factor (``InputGram.output``, K-FAC's), from one backward pass
+        of the observed labels' log-likelihood per batch (:func:`fedfiot_flwr.grams.grams_and_output_factors`).
 
     Returns
     -------
@@ -288,15 +292,19 @@ def input_grams(
     ValueError
         For an unknown or non-Linear module, a model without parameters or an empty loader.
     """
-    from fedfiot_flwr.grams import forward_grams
+    from fedfiot_flwr.grams import forward_grams, grams_and_output_factors
 
     chosen = _select(model, modules, linear_only=not convolutions)
-    grams = forward_grams(model, dataloader, chosen, device, sample)
+    if outputs:
+        grams, factors = grams_and_output_factors(model, dataloader, chosen, device, sample)
+    else:
+        grams, factors = forward_grams(model, dataloader, chosen, device, sample), {}
     return {
         name: InputGram(
             weight=_key(name, "weight"),
             bias=_key(name, "bias") if module.bias is not None else None,
             gram=grams[name],
+            output=factors.get(name),
         )
         for name, module in chosen.items()
     }

@@ -26,7 +26,7 @@ from fedfiot_flwr.fisher import _conv2d_padding, _patches, gradient_mode, patch_
 from fedfiot_flwr.task import split_batch
 
 
-__all__ = ["forward_grams"]
+__all__ = ["forward_grams", "grams_and_output_factors"]
 
 
 def _subset(n: int, d_in: int, d_out: int, examples: int, gen: torch.Generator | None) -> torch.Tensor | None:
@@ -107,9 +107,54 @@ def forward_grams(
     ValueError
         For an empty loader or a convolution whose patches cannot be unfolded.
     """
+    return _moments(model, loader, modules, device, sample, outputs=False)[0]
+
+
+def grams_and_output_factors(
+    model: nn.Module,
+    loader: Iterable[Any],
+    modules: Mapping[str, nn.Module],
+    device: torch.device | str | None = None,
+    sample: bool = False,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """:func:`forward_grams` and, from one backward pass per batch, each layer's diagonal output factor.
+
+    A unit's output factor is the mean over the examples of ``(sum_t d/dz_t log p(y | x))**2``: the
+    gradient of the observed label's log-likelihood with respect to the unit's pre-activation ``z``, summed
+    over a convolution's positions ``t`` (the empirical Fisher of a bias on that unit; K-FAC's output factor,
+    diagonal). In eval mode an example's logits depend on that example only, so the batch's backward pass
+    gives every example's gradient.
+
+    Returns
+    -------
+    tuple of dict[str, np.ndarray]
+        The Grams, and per module the ``(d_out,)`` float64 output factor.
+    """
+    grams, outputs = _moments(model, loader, modules, device, sample, outputs=True)
+    return grams, outputs  # type: ignore[return-value]
+
+
+def _add_output_square(squares: dict[str, torch.Tensor], name: str, module: nn.Module, grad: torch.Tensor) -> None:
+    """Add ``sum_n (sum_t grad_n,t)**2`` per unit (a convolution's positions ``t``; a Linear layer's leading axes)."""
+    if isinstance(module, nn.Conv2d):
+        per_example = grad.sum(dim=(2, 3))
+    else:
+        per_example = grad.reshape(grad.shape[0], -1, grad.shape[-1]).sum(dim=1)
+    square = (per_example.detach().to(torch.float64) ** 2).sum(dim=0)
+    squares[name] = square if name not in squares else squares[name] + square
+
+
+def _moments(model: nn.Module, loader: Iterable[Any], modules: Mapping[str, nn.Module],
+             device: torch.device | str | None, sample: bool,
+             outputs: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """The pass behind :func:`forward_grams` (``outputs=False``: no labels, no backward pass) and
+    :func:`grams_and_output_factors`."""
     sums: dict[str, torch.Tensor] = {}
+    squares: dict[str, torch.Tensor] = {}
     counts = dict.fromkeys(modules, 0)
     gen = torch.Generator().manual_seed(0)
+
+    captured: list[tuple[str, nn.Module, torch.Tensor]] = []
 
     def hook(name: str) -> Any:
         def record(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -117,14 +162,24 @@ def forward_grams(
             product = (rows.T @ rows).to(torch.float64)
             sums[name] = product if name not in sums else sums[name] + product
             counts[name] += rows.shape[0]
+            if outputs:
+                captured.append((name, module, output))
         return record
 
     handles = [m.register_forward_hook(hook(name)) for name, m in modules.items()]
+    examples = 0
     try:
-        with gradient_mode(model, device, "input Grams") as dev, torch.no_grad():
+        with gradient_mode(model, device, "input Grams") as dev, torch.set_grad_enabled(outputs):
             for batch in loader:
-                x, _ = split_batch(batch)
-                model(x.to(dev))
+                x, y = split_batch(batch)
+                logits = model(x.to(dev))
+                examples += int(x.shape[0])
+                if outputs:
+                    log_p = torch.log_softmax(logits, dim=-1).gather(-1, y.to(dev).long().reshape(-1, 1)).sum()
+                    grads = torch.autograd.grad(log_p, [o for _, _, o in captured])
+                    for (name, module, _), grad in zip(captured, grads):
+                        _add_output_square(squares, name, module, grad)
+                    captured.clear()
     finally:
         for h in handles:
             h.remove()
@@ -134,4 +189,6 @@ def forward_grams(
     for name in modules:
         m = (sums[name] / counts[name]).cpu().numpy()
         out[name] = (m + m.T) / 2.0
-    return out
+    if not outputs:
+        return out, None
+    return out, {name: (squares[name] / examples).cpu().numpy() for name in modules}

@@ -24,6 +24,8 @@ __all__ = [
     "CLIENT_FISHER_KINDS",
     "COST_DTYPES",
     "CURVATURES",
+    "DEFAULT_KFAC_DAMPING",
+    "GRAM_CURVATURES",
     "CURVATURE_CONFIG_KEY",
     "GRAM_SCALINGS",
     "DEFAULT_FISHER_ROUNDS",
@@ -67,9 +69,15 @@ ModelView = Mapping[str, np.ndarray]
 """A model a function only reads (any mapping of ``state_dict`` names to arrays)."""
 
 # --- the merge -------------------------------------------------------------------------------
-CURVATURES = ("diagonal", "gram")
-"""The layer curvature both steps of the merge weigh with: the uploaded diagonal Fisher (the paper), or
-RegMean's input Gram of each Linear and Conv2d layer (``A_k ⊗ I``)."""
+CURVATURES = ("diagonal", "gram", "kfac")
+"""The layer curvature both steps of the merge weigh with: the uploaded diagonal Fisher (the paper),
+RegMean's input Gram of each Linear and Conv2d layer (``A_k ⊗ I``), or K-FAC with a diagonal output factor
+(``A_k ⊗ diag(h_k)``, ``h_k`` the units' output-gradient second moments, normalised and damped)."""
+GRAM_CURVATURES = ("gram", "kfac")
+"""The curvatures built on the clients' input Grams (the Gram reply; ``"kfac"`` adds each layer's output factor)."""
+DEFAULT_KFAC_DAMPING = 1.0
+"""K-FAC's output-factor damping ``delta > 0``: a unit's weight is ``(g / mean(g) + delta) / (1 + delta)``, between
+the output factor's own (``delta -> 0``) and the Gram curvature's equal weights (``delta -> inf``)."""
 GRAM_SCALINGS = ("size", "none")
 """How a client's Gram is weighted: times its share of the examples (RegMean's), or as uploaded."""
 MATCHINGS = ("fisher", "euclidean", "none")
@@ -129,7 +137,8 @@ CANDIDATE_CONFIG_KEY = "fedfiot-candidate"
 with FedAvg of the same uploads), for a client that wants to know; an ordinary evaluate handler ignores it."""
 CURVATURE_CONFIG_KEY = "fedfiot-curvature"
 """Train-config entry naming the curvature the server merges with (one of :data:`CURVATURES`; absent: the
-diagonal Fisher). ``"gram"``: the client sends its layers' input Grams in place of the Fisher."""
+diagonal Fisher). ``"gram"``: the client sends its layers' input Grams in place of the Fisher; ``"kfac"``: the
+input Grams and each layer's diagonal output factor."""
 
 
 def uses_fisher(server_round: int, fisher_rounds: int | None) -> bool:

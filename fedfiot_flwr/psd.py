@@ -80,11 +80,16 @@ class InputGram:
         (last row/column), so RegMean solves for ``[W b]`` jointly.
     gram : np.ndarray
         ``(d_in [+1], d_in [+1])`` mean of ``x x^T`` over the client's inputs (float64).
+    output : np.ndarray or None
+        ``(d_out,)`` K-FAC's diagonal output factor: per output unit, the mean over the client's examples of
+        the squared loss gradient with respect to the unit's pre-activation, summed over a convolution's
+        positions (the empirical Fisher of a bias on that unit). ``None``: only the input Gram was sent.
     """
 
     weight: str
     bias: str | None
     gram: np.ndarray
+    output: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

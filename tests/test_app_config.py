@@ -48,7 +48,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("matching", "cosine", "one of fisher, euclidean, none"),
     ("aggregation", "median", "one of fisher, uniform, size"),
     ("fisher-scaling", "big", "one of none, size, normalized, normalized-size"),
-    ("curvature", "kfac", "one of diagonal, gram"),
+    ("curvature", "shampoo", "one of diagonal, gram, kfac"),
     ("gram-alpha", 1.5, "a number in [0, 1]"),
     ("preset", "fast", "one of default, paper"),
     ("fallback", "fedavg", "one of objective, validation, none, or empty"),

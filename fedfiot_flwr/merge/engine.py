@@ -25,13 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from fedfiot_flwr.options import alignment_kept
+from fedfiot_flwr.options import GRAM_CURVATURES, alignment_kept
 from fedfiot_flwr.options import ModelView as Model
 
 from .backend import get_backend
 from .certify import assign_with_hint
 from .costs import ClientLayers, objective_from_moments
 from .gram import GramLayers, PreparedGrams, group_members, layer_view, merge_with_grams, prepare_grams
+from .kfac import KFACLayers
 from fedfiot_flwr.psd import layer_matrix
 from .dtypes import cast_average
 from .lap import assign
@@ -412,7 +413,8 @@ def merge(
         models; None with PreparedClients. With ``options.curvature="gram"``: per client, the
         input Grams ``{module: InputGram}`` of its Linear and Conv2d layers
         (:func:`fedfiot_flwr.curvature.input_grams`; the objective is then
-        :mod:`fedfiot_flwr.merge.gram`'s, ``num_examples`` is required), or None with
+        :mod:`fedfiot_flwr.merge.gram`'s, ``num_examples`` is required; ``"kfac"`` also needs every
+        layer's ``InputGram.output``, :mod:`fedfiot_flwr.merge.kfac`), or None with
         :func:`~fedfiot_flwr.merge.gram.prepare_grams`'s result as ``models``.
     spec : PermutationSpec
         Which axes of which tensors each hidden-unit permutation moves.
@@ -512,9 +514,9 @@ def _prepared(
     A one-off merge tempers each tensor when it reads it (no cache: peak memory stays near the
     per-layer stack); a sweep prepares once and caches the tempered Fishers.
     """
-    if curvature == "gram":
+    if curvature in GRAM_CURVATURES:
         if isinstance(models, PreparedClients):
-            raise ValueError("curvature='gram' needs the clients' input Grams (PreparedGrams or a list of "
+            raise ValueError(f"curvature={curvature!r} needs the clients' input Grams (PreparedGrams or a list of "
                              "{module: InputGram} per client), not PreparedClients")
         if isinstance(models, PreparedGrams):
             if fishers is not None:
@@ -522,10 +524,11 @@ def _prepared(
             clients: PreparedClients | PreparedGrams = models
         else:
             if fishers is None:
-                raise ValueError("curvature='gram' needs the clients' input Grams (one {module: InputGram} per client)")
+                raise ValueError(f"curvature={curvature!r} needs the clients' input Grams (one {{module: InputGram}} "
+                                 "per client)")
             clients = prepare_grams(models, fishers, num_examples=num_examples)  # type: ignore[arg-type]
     elif isinstance(models, PreparedGrams):
-        raise ValueError("PreparedGrams holds input Grams: merge it with MergeOptions(curvature='gram')")
+        raise ValueError("PreparedGrams holds input Grams: merge it with MergeOptions(curvature='gram' or 'kfac')")
     else:
         clients = as_prepared(models, fishers, num_examples=num_examples, cache_bytes=0)
     if isinstance(models, (PreparedClients, PreparedGrams)) and num_examples is not None and list(num_examples) != clients.num_examples:
@@ -616,8 +619,8 @@ def _gram_group(
     perms: Sequence[Mapping[str, np.ndarray]],
     ref_index: int | None,
     options: MergeOptions,
-) -> tuple[GramLayers | None, list[np.ndarray] | None]:
-    """One permutation's Gram layers and the reference's member layers (None when no Gram layer's rows move)."""
+) -> tuple[GramLayers | KFACLayers | None, list[np.ndarray] | None]:
+    """One permutation's Gram (or K-FAC) layers and the reference's member layers (None when no Gram layer's rows move)."""
     members = group_members(clients, spec, perm)
     if not members:
         return None, None
@@ -633,6 +636,10 @@ def _gram_group(
             weight = np.asarray(options.reference[g.weight], dtype=np.float64)  # type: ignore[index]
             bias = None if g.bias is None else np.asarray(options.reference[g.bias], dtype=np.float64)  # type: ignore[index]
             ref_layer.append(layer_matrix(weight.reshape(weight.shape[0], -1), bias))
+    if options.curvature == "kfac":
+        units = clients.unit_weights(options.kfac_damping)
+        return KFACLayers(views, [[units[k][l] for l in members] for k in range(len(clients))], clients.shares,
+                          lambda s: clients.basis(s, options.gram_rcond)), ref_layer
     return GramLayers(views, clients.shares, options.gram_rcond, lambda s: clients.pinv(s, options.gram_rcond)), ref_layer
 
 
@@ -682,10 +689,12 @@ def _gram_candidates(
     """:func:`_candidates` for the Gram curvature: both merges in closed form, compared on the same J."""
     knobs = (float(options.gram_alpha), float(options.gram_ridge), options.gram_scaling)
     curvatures = clients.curvatures(*knobs)
-    key = (*knobs, float(options.gram_rcond))
+    kfac = options.curvature == "kfac"
+    units = clients.unit_weights(options.kfac_damping) if kfac else None
+    key = (*knobs, float(options.gram_rcond), float(options.kfac_damping) if kfac else None)
     if key not in clients.identity_merges:
         clients.identity_merges[key] = merge_with_grams(clients, spec, [{} for _ in range(len(clients))],
-                                                        curvatures, options.gram_rcond)[:2]
+                                                        curvatures, options.gram_rcond, units)[:2]
     identity_model, identity_objective = clients.identity_merges[key]
     identity = (dict(identity_model), identity_objective)
     if options.matching == "none":
@@ -694,7 +703,8 @@ def _gram_candidates(
         return identity, (dict(identity_model), identity_objective), True
     aligned_key = (*key, permutations_digest(perms))
     if aligned_key not in clients.aligned_merges:
-        clients.aligned_merges = {aligned_key: merge_with_grams(clients, spec, perms, curvatures, options.gram_rcond)[:2]}
+        clients.aligned_merges = {aligned_key: merge_with_grams(clients, spec, perms, curvatures, options.gram_rcond,
+                                                                units)[:2]}
     model, objective = clients.aligned_merges[aligned_key]
     kept = options.fallback == "none" or alignment_kept(objective, identity_objective)
     return identity, (dict(model), objective), kept

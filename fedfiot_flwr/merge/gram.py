@@ -40,10 +40,11 @@ from fedfiot_flwr.options import ModelView as Model
 from fedfiot_flwr.psd import InputGram, layer_matrix
 
 from .dtypes import cast_average
+from .kfac import range_basis, row_terms, row_weights, unit_weighted_solution
 from .spec import AxisPerm, PermutationSpec, expand_block_permutation, permute_tensor
 from .validate import check_models, check_num_examples
 
-__all__ = ["GramLayers", "PreparedGrams", "cap_grams", "closed_form", "psd_pinv", "input_order", "merge_with_grams", "prepare_grams",
+__all__ = ["GramLayers", "PreparedGrams", "cap_grams", "unit_view", "closed_form", "psd_pinv", "input_order", "merge_with_grams", "prepare_grams",
            "regmean_solution", "scale_off_diagonal", "scaled_gram"]
 
 def scale_off_diagonal(gram: np.ndarray, alpha: float) -> np.ndarray:
@@ -155,6 +156,9 @@ def check_grams(models: Sequence[Mapping[str, np.ndarray]], grams: Sequence[Mapp
             gram = np.asarray(g.gram)
             if gram.shape != (d, d):
                 raise ValueError(f"{where}: shape {gram.shape} differs from ({d}, {d})")
+            if g.output is not None:
+                _check_output(np.asarray(g.output), w.shape[0], f"client {client_ids[k]!r}, output factor of {name!r}",
+                              checked)
             if checked:
                 continue
             if not np.issubdtype(gram.dtype, np.number) or not np.all(np.isfinite(gram)):
@@ -162,6 +166,18 @@ def check_grams(models: Sequence[Mapping[str, np.ndarray]], grams: Sequence[Mapp
             if not np.allclose(gram, gram.T, rtol=1e-6, atol=0.0) or np.any(np.diag(gram) < 0):
                 raise ValueError(f"{where}: not symmetric positive semi-definite")
     return layers
+
+
+def _check_output(output: np.ndarray, d_out: int, where: str, checked: bool) -> None:
+    """A layer's output factor: one finite, non-negative entry per output unit."""
+    if output.shape != (d_out,):
+        raise ValueError(f"{where}: shape {output.shape} differs from ({d_out},)")
+    if checked:
+        return
+    if not np.issubdtype(output.dtype, np.number) or not np.all(np.isfinite(output)):
+        raise ValueError(f"{where}: contains NaN or inf")
+    if np.any(output < 0):
+        raise ValueError(f"{where}: has negative entries (a second moment is >= 0)")
 
 
 @dataclass
@@ -182,6 +198,8 @@ class PreparedGrams:
         Names used in error messages.
     num_examples : list[int]
         Client sizes (the curvature's shares and the averages).
+    outputs : list of dict[str, np.ndarray]
+        Per client, module name -> the layer's output factor, where uploaded (K-FAC's curvature needs every one).
     identity_merges, aligned_merges : dict
         Full merges computed so far, by curvature knobs (and alignment).
     """
@@ -196,6 +214,7 @@ class PreparedGrams:
     dtypes: dict[str, np.dtype]
     client_ids: list[str]
     num_examples: list[int]
+    outputs: list[dict[str, np.ndarray]] = field(default_factory=list)
     identity_merges: dict = field(default_factory=dict, repr=False)
     aligned_merges: dict = field(default_factory=dict, repr=False)
     _curvatures: dict = field(default_factory=dict, repr=False)
@@ -219,13 +238,29 @@ class PreparedGrams:
                                       for gk, c in zip(self.grams, factors)]}
         return self._curvatures[key]
 
+    def unit_weights(self, damping: float) -> list[dict[str, np.ndarray]]:
+        """Per client, module name -> K-FAC's unit weights (:func:`~fedfiot_flwr.merge.kfac.row_weights`)."""
+        if len(self.outputs) != len(self) or any(set(ok) != set(self.layers) for ok in self.outputs):
+            missing = [f"client {self.client_ids[k]!r}: {sorted(set(self.layers) - set(ok))}"
+                       for k, ok in enumerate(self.outputs or [{}] * len(self)) if set(ok) != set(self.layers)]
+            raise ValueError("the K-FAC curvature needs every Gram layer's output factor; missing for "
+                             + "; ".join(missing))
+        return [{l: row_weights(g, damping) for l, g in ok.items()} for ok in self.outputs]
+
     def pinv(self, s: np.ndarray, rcond: float) -> np.ndarray:
         """:func:`psd_pinv` of ``s``, computed once per distinct ``s``: a layer's summed Gram recurs in every
         alternation pass whose input permutation did not change, and again in the final merges."""
-        key = (float(rcond), s.shape, hashlib.blake2b(np.ascontiguousarray(s).data, digest_size=16).digest())
+        return self._memo("pinv", s, rcond, psd_pinv)
+
+    def basis(self, s: np.ndarray, rcond: float) -> np.ndarray:
+        """:func:`~fedfiot_flwr.merge.kfac.range_basis` of ``s``, once per distinct ``s`` (as :meth:`pinv`)."""
+        return self._memo("basis", s, rcond, range_basis)
+
+    def _memo(self, what: str, s: np.ndarray, rcond: float, compute: Callable[[np.ndarray, float], np.ndarray]) -> np.ndarray:
+        key = (what, float(rcond), s.shape, hashlib.blake2b(np.ascontiguousarray(s).data, digest_size=16).digest())
         found = self._pinvs.get(key)
         if found is None:
-            found = psd_pinv(s, rcond)
+            found = compute(s, rcond)
             self._pinvs[key] = found
             while sum(v.nbytes for v in self._pinvs.values()) > self.PINV_CACHE_BYTES and len(self._pinvs) > 1:
                 self._pinvs.popitem(last=False)
@@ -257,6 +292,8 @@ def prepare_grams(models: Sequence[Model], grams: Sequence[Mapping[str, InputGra
         grams=[{l: np.asarray(g.gram, dtype=np.float64) for l, g in gk.items()} for gk in grams],
         layers=layers, shapes=shapes, dtypes={n: np.asarray(x).dtype for n, x in models[0].items()},
         client_ids=ids, num_examples=list(num_examples),
+        outputs=[{l: np.asarray(g.output, dtype=np.float64) for l, g in gk.items() if g.output is not None}
+                 for gk in grams],
     )
 
 
@@ -282,7 +319,8 @@ def cap_grams(grams: Sequence[Mapping[str, InputGram]],
             others = float(np.median(np.delete(sizes, k)))
             if others > 0 and size > factor * others:
                 g = grams[k][layer]
-                out[k][layer] = InputGram(g.weight, g.bias, np.asarray(g.gram, dtype=np.float64) * (others / size))
+                out[k][layer] = InputGram(g.weight, g.bias, np.asarray(g.gram, dtype=np.float64) * (others / size),
+                                          g.output)
                 capped.append((k, layer, size / others))
     return out, capped
 
@@ -310,6 +348,14 @@ def layer_view(prepared: PreparedGrams, k: int, layer: str, curvature: np.ndarra
         bias = np.asarray(permute_tensor(model[g.bias], spec.axes.get(g.bias, (None,)), done, keep), dtype=np.float64)
     order = input_order(axes[1] if len(axes) > 1 else None, done, weight.shape, g.bias is not None)
     return layer_matrix(weight.reshape(weight.shape[0], -1), bias), curvature[np.ix_(order, order)]
+
+
+def unit_view(prepared: PreparedGrams, layer: str, units: np.ndarray, spec: PermutationSpec,
+              done: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A layer's unit weights with its rows' permutation in ``done`` applied (as its rows are)."""
+    g = prepared.layers[layer]
+    entry = spec.axes.get(g.weight, (None,))[0]
+    return np.asarray(permute_tensor(units, (entry,), done), dtype=np.float64)
 
 
 class GramLayers:
@@ -383,9 +429,13 @@ class GramLayers:
 
 
 def merge_with_grams(prepared: PreparedGrams, spec: PermutationSpec, perms: Sequence[Mapping[str, np.ndarray]],
-                     curvatures: Sequence[Mapping[str, np.ndarray]],
-                     rcond: float = 1e-10) -> tuple[dict[str, np.ndarray], float, dict[str, float]]:
-    """Every Gram layer in closed form, every other tensor size-weighted, after ``perms``; J and its layer terms."""
+                     curvatures: Sequence[Mapping[str, np.ndarray]], rcond: float = 1e-10,
+                     units: Sequence[Mapping[str, np.ndarray]] | None = None,
+                     ) -> tuple[dict[str, np.ndarray], float, dict[str, float]]:
+    """Every Gram layer in closed form, every other tensor size-weighted, after ``perms``; J and its layer terms.
+
+    With ``units`` (per client, the unit weights of every Gram layer) the curvature is K-FAC's
+    (:mod:`fedfiot_flwr.merge.kfac`): one closed form per row."""
     shares = prepared.shares
     merged: dict[str, np.ndarray] = {}
     for name in prepared.models[0]:
@@ -398,9 +448,16 @@ def merge_with_grams(prepared: PreparedGrams, spec: PermutationSpec, perms: Sequ
     terms: dict[str, float] = {}
     for layer, g in prepared.layers.items():
         views = [layer_view(prepared, k, layer, curvatures[k][layer], spec, pk, rows=True) for k, pk in enumerate(perms)]
-        w = regmean_solution([m for m, _ in views], [a for _, a in views], shares, rcond,
-                             lambda s: prepared.pinv(s, rcond))
-        terms[layer] = float(sum(np.sum(((w - m) @ a) * (w - m)) for m, a in views))
+        mats, grams = [m for m, _ in views], [a for _, a in views]
+        if units is None:
+            w = regmean_solution(mats, grams, shares, rcond, lambda s: prepared.pinv(s, rcond))
+            terms[layer] = float(sum(np.sum(((w - m) @ a) * (w - m)) for m, a in views))
+        else:
+            h = [unit_view(prepared, layer, uk[layer], spec, pk) for uk, pk in zip(units, perms)]
+            w_avg = sum(c * m for c, m in zip(shares, mats))
+            r = sum(hk[:, None] * (m @ a) for hk, m, a in zip(h, mats, grams))
+            w = unit_weighted_solution(w_avg, r, grams, np.stack(h), prepared.basis(sum(grams[1:], grams[0]), rcond))
+            terms[layer] = row_terms(w, mats, grams, h)
         shape = prepared.shapes[g.weight]
         n_w = int(np.prod(shape[1:]))
         merged[g.weight] = w[:, :n_w].reshape(shape)

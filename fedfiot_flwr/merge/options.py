@@ -13,7 +13,7 @@ from numbers import Real
 
 import numpy as np
 
-from fedfiot_flwr.options import CURVATURES, DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, FISHER_SCALINGS, GRAM_SCALINGS
+from fedfiot_flwr.options import CURVATURES, DEFAULT_KFAC_DAMPING, DEFAULT_LAM, DEFAULT_MAX_ITERS, DEFAULT_RHO, FISHER_SCALINGS, GRAM_CURVATURES, GRAM_SCALINGS
 
 from .validate import check_options
 
@@ -42,11 +42,12 @@ class MergeOptions:
         ``"objective"``: the paper's identity rule; ``"none"``: always keep the aligned merge.
     fisher_scaling : {"none", "size", "normalized", "normalized-size"}
         Per-client rescaling of the raw Fisher before tempering (``"none"``: the paper).
-    curvature : {"diagonal", "gram"}
+    curvature : {"diagonal", "gram", "kfac"}
         The layer curvature of the objective: the diagonal Fisher (tempered and damped with ``rho``
-        and ``lam``; the paper), or the clients' input Grams (:mod:`fedfiot_flwr.merge.gram`; then
-        ``matching`` is ``"fisher"`` (the curvature-weighted cost) or ``"none"``, ``aggregation`` is
-        ``"fisher"``, and ``rho``, ``lam`` and ``fisher_scaling`` are not used).
+        and ``lam``; the paper), the clients' input Grams (:mod:`fedfiot_flwr.merge.gram`), or the input
+        Grams with each unit weighted by its output factor (K-FAC with a diagonal output factor). With
+        either Gram form ``matching`` is ``"fisher"`` (the curvature-weighted cost) or ``"none"``,
+        ``aggregation`` is ``"fisher"``, and ``rho``, ``lam`` and ``fisher_scaling`` are not used.
     gram_alpha : float
         The Gram's off-diagonal scaling in ``[0, 1]`` (RegMean's alpha; 1: the least-squares fit).
     gram_ridge : float
@@ -56,6 +57,9 @@ class MergeOptions:
     gram_rcond : float
         Relative cut-off of the pseudo-inverse of a layer's summed Grams (singular sums are
         solved as RegMean solves them: the solution nearest the size-weighted average).
+    kfac_damping : float
+        ``"kfac"`` only: ``delta > 0`` of a unit's weight ``(g / mean(g) + delta) / (1 + delta)``
+        (:func:`fedfiot_flwr.merge.gram.row_weights`); large values give the Gram curvature's merge.
 
     Examples
     --------
@@ -80,6 +84,7 @@ class MergeOptions:
     gram_ridge: float = 0.0
     gram_scaling: str = "size"
     gram_rcond: float = 1e-10
+    kfac_damping: float = DEFAULT_KFAC_DAMPING
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, self.fallback)
@@ -95,6 +100,8 @@ class MergeOptions:
             raise ValueError(f"gram_rcond must lie in [0, 1), got {self.gram_rcond!r}")
         if self.gram_scaling not in GRAM_SCALINGS:
             raise ValueError(f"gram_scaling must be one of {GRAM_SCALINGS}, got {self.gram_scaling!r}")
-        if self.curvature == "gram" and (self.matching == "euclidean" or self.aggregation != "fisher"):
+        if not (isinstance(self.kfac_damping, Real) and 0.0 < self.kfac_damping < float("inf")):
+            raise ValueError(f"kfac_damping must be a finite number > 0, got {self.kfac_damping!r}")
+        if self.curvature in GRAM_CURVATURES and (self.matching == "euclidean" or self.aggregation != "fisher"):
             raise ValueError("the Gram curvature weighs both steps: matching must be 'fisher' or 'none' and "
                              f"aggregation 'fisher', got matching={self.matching!r}, aggregation={self.aggregation!r}")

@@ -32,7 +32,7 @@ from fedfiot_flwr.server.outcome import RoundContext, RoundOutcome, ValidateFn
 from fedfiot_flwr.server.selection import sweep_candidates
 from fedfiot_flwr.server.uploads import CollectedUploads
 from fedfiot_flwr.baselines.fedfisher_options import FedFisherOptions
-from fedfiot_flwr.options import CURVATURE_CONFIG_KEY, FISHER_CONFIG_KEY, Model, uses_fisher
+from fedfiot_flwr.options import CURVATURE_CONFIG_KEY, FISHER_CONFIG_KEY, GRAM_CURVATURES, Model, uses_fisher
 
 __all__ = [
     "Aggregator",
@@ -113,7 +113,7 @@ class FedFiOTAggregator:
                             f"got {type(config).__name__}")
         self.spec = spec
         self.settings = config
-        self.reply_kind = "gram" if config.curvature == "gram" else "fisher"
+        self.reply_kind = {"gram": "gram", "kfac": "gram-output"}.get(config.curvature, "fisher")
         self._told_close = False
         self.handover: tuple[int, int | None, str] | None = None
         """The clients' choice's latest hand-over: its first FedAvg round, the round that asks for the

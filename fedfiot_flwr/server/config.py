@@ -40,11 +40,13 @@ from fedfiot_flwr.options import (
     DEFAULT_GRAM_ALPHA,
     DEFAULT_GRAM_CAP,
     DEFAULT_HANDOVER_AFTER,
+    DEFAULT_KFAC_DAMPING,
     DEFAULT_LAM,
     DEFAULT_MAX_ITERS,
     DEFAULT_REPROBE_AFTER,
     DEFAULT_RHO,
     FISHER_CAP_RULES,
+    GRAM_CURVATURES,
     REFERENCES,
     ROUND_CHOICES,
     SELECTIONS,
@@ -157,11 +159,13 @@ class FedFiOTConfig:
         When the validation function offers ``validate_bounded`` (the one of
         :func:`fedfiot_flwr.validation.make_validate_fn` does), stop scoring a candidate as soon
         as it provably cannot beat the best fully scored one. Exact: the same choice and metrics.
-    curvature : {"diagonal", "gram"}
+    curvature : {"diagonal", "gram", "kfac"}
         The layer curvature both steps weigh with (:data:`fedfiot_flwr.options.CURVATURES`):
-        the clients' diagonal Fisher (the paper), or their layers' input Grams
-        (:mod:`fedfiot_flwr.merge.gram`). With ``"gram"`` the train config asks the clients for
-        Grams (:data:`~fedfiot_flwr.options.CURVATURE_CONFIG_KEY`), ``rho``, ``lam`` and
+        the clients' diagonal Fisher (the paper), their layers' input Grams
+        (:mod:`fedfiot_flwr.merge.gram`), or the Grams with each unit weighted by its output factor
+        (K-FAC with a diagonal output factor, :mod:`fedfiot_flwr.merge.kfac`). With ``"gram"`` or
+        ``"kfac"`` the train config asks the clients for that reply
+        (:data:`~fedfiot_flwr.options.CURVATURE_CONFIG_KEY`), ``rho``, ``lam`` and
         ``fisher_scaling`` are not used, and the sweep tries ``sweep.gram_alphas`` and the
         references.
     gram_alpha : float
@@ -172,6 +176,9 @@ class FedFiOTConfig:
         Robust weighting of the Gram curvature: a client's Gram of a layer whose mean diagonal
         entry is more than this factor times the other clients' median is scaled down to it
         (:func:`~fedfiot_flwr.merge.gram.cap_grams`); ``None`` or 0: the Grams as uploaded.
+    kfac_damping : float
+        ``"kfac"`` only: ``delta > 0`` of a unit's weight ``(g / mean(g) + delta) / (1 + delta)``
+        (:func:`~fedfiot_flwr.merge.kfac.row_weights`).
     """
 
     name: str = "custom"
@@ -204,6 +211,7 @@ class FedFiOTConfig:
     gram_alpha: float = DEFAULT_GRAM_ALPHA
     gram_ridge: float = 0.0
     gram_cap: float | None = DEFAULT_GRAM_CAP
+    kfac_damping: float = DEFAULT_KFAC_DAMPING
 
     def __post_init__(self) -> None:
         check_options(self.lam, self.rho, self.max_iters, self.matching, self.aggregation, "objective")
@@ -232,7 +240,7 @@ class FedFiOTConfig:
             object.__setattr__(self, "reprobe_after", None)
         _check_count("reprobe_after", self.reprobe_after, "or 0 / None for a hand-over for good")
         MergeOptions(curvature=self.curvature, gram_alpha=self.gram_alpha, gram_ridge=self.gram_ridge,
-                     matching=self.matching, aggregation=self.aggregation)  # validates the curvature's options
+                     kfac_damping=self.kfac_damping, matching=self.matching, aggregation=self.aggregation)  # validates the curvature's options
         for name in ("warm_start", "race"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -240,7 +248,7 @@ class FedFiOTConfig:
     @property
     def candidate(self) -> Candidate:
         """This configuration's own ``(rho, lam, reference, fisher_scaling)``: the merge without a sweep."""
-        alpha = float(self.gram_alpha) if self.curvature == "gram" else None
+        alpha = float(self.gram_alpha) if self.curvature in GRAM_CURVATURES else None
         return Candidate(float(self.rho), float(self.lam), self.reference, self.fisher_scaling, alpha)
 
     @property
@@ -306,15 +314,17 @@ class FedFiOTConfig:
                         "the later rounds are FedAvg without the clients' curvature pass" if cfg.reprobe_after is None
                         else f"the next {cfg.reprobe_after} rounds are FedAvg without the clients' curvature pass, then "
                              "a probe round asks for it again (each probe FedAvg wins doubles the wait)"))
-        gram = cfg.curvature == "gram"
+        gram = cfg.curvature in GRAM_CURVATURES
+        grams = ("the clients' input Grams" if cfg.curvature == "gram" else
+                 f"the clients' input Grams and output factors (K-FAC, damping {cfg.kfac_damping:g})")
         if cfg.sweep is None or not has_validation:
-            knobs = (f"the clients' input Grams (alpha={cfg.gram_alpha:g}), reference={cfg.reference}" if gram else
+            knobs = (f"{grams} (alpha={cfg.gram_alpha:g}), reference={cfg.reference}" if gram else
                      f"rho={cfg.rho:g}, lam={cfg.lam:g}, reference={cfg.reference}")
             return f"FedFiOT merge ({self.name}) with {knobs} and {rule}{then}"
         g = cfg.sweep
         if gram:
             size = len(g.references) * len(g.gram_alphas)
-            return (f"FedFiOT merge ({self.name}) with the clients' input Grams: up to {size} knob settings "
+            return (f"FedFiOT merge ({self.name}) with {grams}: up to {size} knob settings "
                     f"(alpha, reference) and {rule}{then}")
         size = len(g.rhos) * len(g.lams) * len(g.references) * len(g.fisher_scalings)
         first = len(g.candidates(None, 1, cfg.broadcast_in_round_one))

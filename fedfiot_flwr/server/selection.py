@@ -33,6 +33,7 @@ from fedfiot_flwr.merge import (
 from fedfiot_flwr.merge.gram import PreparedGrams, cap_grams, prepare_grams
 from fedfiot_flwr.merge.robust import cap_fishers_explained, describe_outliers
 from fedfiot_flwr.options import (
+    GRAM_CURVATURES,
     DEFAULT_GRID_GRAM_ALPHAS,
     DEFAULT_GRID_LAMS,
     DEFAULT_GRID_REFERENCES,
@@ -332,7 +333,7 @@ def sweep_candidates(
 def _prepared_uploads(uploads: CollectedUploads, config: FedFiOTConfig,
                       context: RoundContext) -> PreparedClients | PreparedGrams:
     """The round's uploads prepared once for every candidate, with the robust cap on their curvature."""
-    if config.curvature == "gram":
+    if config.curvature in GRAM_CURVATURES:
         grams = uploads.grams
         if config.gram_cap is not None:
             grams, capped = cap_grams(grams, config.gram_cap)
@@ -391,7 +392,7 @@ def _try_candidates(
             fallback="none" if config.selection == "validation" else config.selection,
             fisher_scaling=cand.fisher_scaling, curvature=config.curvature,
             gram_alpha=config.gram_alpha if cand.gram_alpha is None else cand.gram_alpha,
-            gram_ridge=config.gram_ridge,
+            gram_ridge=config.gram_ridge, kfac_damping=config.kfac_damping,
         )
         res = merge(
             clients, None, spec, options, speed=config.speed,
@@ -457,6 +458,6 @@ def _report(out: RoundOutcome, config: FedFiOTConfig, uploads: CollectedUploads,
     out.chosen = {"rho": cand.rho, "lam": cand.lam, "reference": cand.reference,
                   "fisher_scaling": cand.fisher_scaling, "variant": out.variant}
     if cand.gram_alpha is not None:
-        out.chosen = {"curvature": "gram", "gram_alpha": cand.gram_alpha, "reference": cand.reference,
+        out.chosen = {"curvature": config.curvature, "gram_alpha": cand.gram_alpha, "reference": cand.reference,
                       "variant": out.variant}
     out.permutations = {p: list(v) for p, v in res.permutations.items()} if out.variant == "aligned" else None

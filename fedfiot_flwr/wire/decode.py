@@ -37,9 +37,10 @@ def decode_reply(
     ----------
     content : RecordDict
         The reply's content.
-    kind : {"fisher", "kfac", "gram", "weights"}
+    kind : {"fisher", "kfac", "gram", "gram-output", "weights"}
         What the strategy merges: diagonal Fishers (FedFiOT, FedFisher diag), K-FAC factors,
-        input Grams (RegMean), or only the weights of any of these replies.
+        input Grams (RegMean), input Grams with every layer's output factor (FedFiOT's K-FAC
+        curvature), or only the weights of any of these replies.
     client : str
         Who sent it (named in every error).
     expected_shapes : mapping of str to tuple of int, optional
@@ -82,8 +83,14 @@ def decode_reply(
             raise ValueError(f"client {client}: reply carries no Fisher")
         return up
     cup = unpack_curvature_reply(content, expected_shapes, client)
-    if kind != "weights" and cup.method != kind:
-        raise ValueError(f"client {client}: sent a {cup.method!r} upload, this strategy needs {kind!r}")
+    method = "gram" if kind == "gram-output" else kind
+    if kind != "weights" and cup.method != method:
+        raise ValueError(f"client {client}: sent a {cup.method!r} upload, this strategy needs {method!r}")
+    if kind == "gram-output":
+        missing = [m for m, g in cup.grams.items() if g.output is None]
+        if missing:
+            raise ValueError(f"client {client}: Gram reply without the output factors of {missing}; the K-FAC "
+                             "curvature needs every layer's")
     if fisher_kind is not None and kind == "kfac" and cup.fisher_kind != fisher_kind:
         raise ValueError(f"client {client}: K-FAC factors of the {cup.fisher_kind!r} Fisher, "
                          f"this strategy expects {fisher_kind!r}")

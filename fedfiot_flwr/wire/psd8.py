@@ -3,7 +3,9 @@
 A curvature reply is a FedFiOT reply without Fishers (:mod:`fedfiot_flwr.wire.q16`) plus, in the
 same ArrayRecord, one ``fedfiot.psd8.v1`` Array per factor keyed ``curvature/<module>/<factor>``
 (``A`` and ``G`` for K-FAC, ``gram`` for the Gram replies: ``r`` float32 column scales, then ``n r`` int8
-codes, see :mod:`fedfiot_flwr.psd`) and a ConfigRecord ``"curvature"`` describing the layers.
+codes, see :mod:`fedfiot_flwr.psd`), for the K-FAC curvature's Gram replies one ``fedfiot.f32.v1`` Array
+``curvature/<module>/output`` per layer (its ``d_out`` output factors, little-endian float32), and a
+ConfigRecord ``"curvature"`` describing the layers (``outputs``: whether the output factors are there).
 Decoding checks every factor against :data:`~fedfiot_flwr.reply_limits.MAX_CURVATURE_MAGNITUDE`
 as it rebuilds it.
 """
@@ -24,6 +26,8 @@ from fedfiot_flwr.wire.records import (
     CURVATURE_METHODS,
     CURVATURE_RECORD,
     FACTOR_PREFIX,
+    OUTPUT_FACTOR,
+    STYPE_F32,
     STYPE_PSD8,
     CurvatureUpload,
 )
@@ -46,14 +50,20 @@ def _pack(
     fisher_kind: str,
     layers: Mapping[str, tuple[str, str | None, dict[str, np.ndarray]]],
     rank: int | str | None,
+    outputs: Mapping[str, np.ndarray] | None = None,
 ) -> RecordDict:
-    """The weights without a Fisher plus every layer's compressed factors and their description."""
+    """The weights without a Fisher plus every layer's compressed factors (and float32 output factors) and their
+    description."""
     content = pack_reply(state, {}, num_examples, metrics)
     arrays = content[ARRAYS_RECORD]
+    for module, output in (outputs or {}).items():
+        values = np.ascontiguousarray(output, dtype="<f4").reshape(-1)
+        arrays[f"{FACTOR_PREFIX}{module}/{OUTPUT_FACTOR}"] = Array(dtype="float32", shape=(values.size,),
+                                                                   stype=STYPE_F32, data=values.tobytes())
     if isinstance(rank, str):
         if rank != "fedavg":
             raise ValueError(f"rank must be an int, None or 'fedavg', got {rank!r}")
-        budget = fedavg_payload_bytes(state) - payload_bytes(content)["weights"]
+        budget = fedavg_payload_bytes(state) - payload_bytes(content)["weights"] - payload_bytes(content)["curvature"]
         sizes = [m.shape[0] for _, _, mats in layers.values() for m in mats.values()]
         rank = rank_for_budget(sizes, budget)
     elif rank is not None and (int(rank) != rank or rank < 1):
@@ -72,6 +82,7 @@ def _pack(
             "weights": [w for w, _, _ in layers.values()],
             "biases": ["" if b is None else b for _, b, _ in layers.values()],
             "rank": -1 if rank is None else int(rank),
+            "outputs": bool(outputs),
         }
     )
     return content
@@ -126,16 +137,22 @@ def pack_gram_reply(
     rank: int | str | None = "fedavg",
     metrics: Mapping[str, float] | None = None,
 ) -> RecordDict:
-    """Gram reply (RegMean's, and FedFiOT's Gram curvature): 16-bit weights plus each layer's 8-bit low-rank
-    input Gram (Linear layers; Conv2d layers over their unfolded patches).
+    """Gram reply (RegMean's, and FedFiOT's Gram and K-FAC curvatures): 16-bit weights plus each layer's 8-bit
+    low-rank input Gram (Linear layers; Conv2d layers over their unfolded patches) and, where the Grams carry
+    one (``InputGram.output``), its float32 output factor (then every layer must carry one).
 
     Parameters are as in :func:`pack_kfac_reply` (``grams`` from
-    :func:`fedfiot_flwr.curvature.input_grams`).
+    :func:`fedfiot_flwr.curvature.input_grams`); with ``rank="fedavg"`` the output factors' bytes come out of
+    the Grams' budget.
     """
     if not grams:
         raise ValueError("pack_gram_reply: no Gram matrices")
+    with_output = [m for m, g in grams.items() if g.output is not None]
+    if with_output and len(with_output) != len(grams):
+        raise ValueError(f"pack_gram_reply: output factors for {with_output} only, not for every Gram layer")
     layers = {m: (g.weight, g.bias, {"gram": g.gram}) for m, g in grams.items()}
-    return _pack(state, num_examples, metrics, "gram", "none", layers, rank)
+    outputs = {m: np.asarray(grams[m].output) for m in with_output}
+    return _pack(state, num_examples, metrics, "gram", "none", layers, rank, outputs)
 
 
 def _decode_psd(client: str, key: str, arr: Array) -> tuple[np.ndarray, np.ndarray]:
@@ -161,6 +178,22 @@ def _decode_psd(client: str, key: str, arr: Array) -> tuple[np.ndarray, np.ndarr
     # scales keep every product finite in float64, so this bounds the whole factor.
     check_magnitude(float(mat.diagonal().max()) if n else 0.0, MAX_CURVATURE_MAGNITUDE, where)
     return mat, root
+
+
+def _decode_output(client: str, key: str, arrays: ArrayRecord, d_out: int, wname: str) -> np.ndarray:
+    """One layer's output factor: float32, one finite entry in ``[0, MAX_CURVATURE_MAGNITUDE]`` per unit."""
+    where = f"client {client}: output factor {key!r}"
+    arr = arrays[key]
+    if (not isinstance(arr, Array) or arr.stype != STYPE_F32 or arr.dtype != "float32"
+            or tuple(arr.shape) != (d_out,) or len(arr.data) != 4 * d_out):
+        raise ValueError(f"{where}: expected {4 * d_out} bytes of {d_out} float32 values (stype {STYPE_F32!r}) for "
+                         f"tensor {wname!r}, got {getattr(arr, 'stype', type(arr).__name__)} "
+                         f"{tuple(getattr(arr, 'shape', ()))}")
+    out = np.frombuffer(arr.data, dtype="<f4").astype(np.float64)
+    if not np.all(np.isfinite(out)) or np.any(out < 0):
+        raise ValueError(f"{where}: has NaN, inf or negative entries")
+    check_magnitude(float(out.max()) if out.size else 0.0, MAX_CURVATURE_MAGNITUDE, where)
+    return out
 
 
 def unpack_curvature_reply(
@@ -209,6 +242,7 @@ def unpack_curvature_reply(
         wnames = [str(x) for x in meta["weights"]]
         bnames = [str(x) for x in meta["biases"]]
         rank = int(meta["rank"])
+        with_outputs = bool(meta.get("outputs", False))
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"client {client}: malformed {CURVATURE_RECORD!r} record ({err!r})") from err
     if method not in CURVATURE_METHODS:
@@ -220,7 +254,9 @@ def unpack_curvature_reply(
     rest = {k: v for k, v in content.items() if k not in (ARRAYS_RECORD, CURVATURE_RECORD)}
     base = unpack_reply(RecordDict({ARRAYS_RECORD: plain, **rest}), expected_shapes, client, dtype=dtype)
     names = ("A", "G") if method == "kfac" else ("gram",)
-    expected_keys = {f"{FACTOR_PREFIX}{m}/{w}" for m in layers for w in names}
+    if with_outputs and method != "gram":
+        raise ValueError(f"client {client}: output factors come with Gram replies only, not {method!r}")
+    expected_keys = {f"{FACTOR_PREFIX}{m}/{w}" for m in layers for w in (*names, *[OUTPUT_FACTOR] * with_outputs)}
     got_keys = {k for k in arrays if k.startswith(FACTOR_PREFIX)}
     if got_keys != expected_keys:
         raise ValueError(f"client {client}: factor arrays differ from the listed layers: "
@@ -249,7 +285,9 @@ def unpack_curvature_reply(
         if method == "kfac":
             factors[module] = KFACFactors(wname, bias, mats["A"], mats["G"], A_root=roots["A"], G_root=roots["G"])
         else:
-            grams[module] = InputGram(wname, bias, mats["gram"])
+            output = _decode_output(client, f"{FACTOR_PREFIX}{module}/{OUTPUT_FACTOR}", arrays, w.shape[0], wname) \
+                if with_outputs else None
+            grams[module] = InputGram(wname, bias, mats["gram"], output)
     return CurvatureUpload(
         weights=base.weights,
         num_examples=base.num_examples,

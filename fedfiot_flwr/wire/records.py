@@ -14,10 +14,12 @@ __all__ = [
     "CURVATURE_METHODS",
     "CURVATURE_RECORD",
     "FACTOR_PREFIX",
+    "OUTPUT_FACTOR",
     "METRICS_RECORD",
     "NUMPY_STYPE",
     "NUM_EXAMPLES_KEY",
     "REPLY_KINDS",
+    "STYPE_F32",
     "STYPE_PSD8",
     "STYPE_WEIGHT",
     "STYPE_WEIGHT_FISHER",
@@ -37,14 +39,18 @@ STYPE_WEIGHT = "fedfiot.q16w.v1"
 """A floating-point buffer (or a curvature reply's weight): 16-bit weight codes only."""
 STYPE_PSD8 = "fedfiot.psd8.v1"
 """A compressed PSD factor: 8-bit low-rank codes."""
+STYPE_F32 = "fedfiot.f32.v1"
+"""Raw little-endian float32 values (a Gram reply's output factors)."""
 NUMPY_STYPE = "numpy.ndarray"
 """Flower's plain ``Array(ndarray)``: a non-float buffer, unquantized."""
 CURVATURE_RECORD = "curvature"
 """The ConfigRecord describing a curvature reply's factors."""
 FACTOR_PREFIX = "curvature/"
 """Key prefix of the factor Arrays: ``curvature/<module>/<factor>``."""
+OUTPUT_FACTOR = "output"
+"""Name of a Gram reply layer's float32 output factor (``curvature/<module>/output``; K-FAC's curvature)."""
 CURVATURE_METHODS = ("kfac", "gram")
-REPLY_KINDS = ("fisher", "kfac", "gram", "weights")
+REPLY_KINDS = ("fisher", "kfac", "gram", "gram-output", "weights")
 """What a strategy can ask :func:`~fedfiot_flwr.wire.decode_reply` for: diagonal Fisher, K-FAC
 factors, input Grams, or only the weights (any reply)."""
 
