@@ -115,7 +115,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--rounds and --fedavg-rounds must be >= 1")
     if not 0.0 < args.train_fraction <= 1.0:
         p.error("--train-fraction must be in (0, 1]")
-    known = (*FEW_ROUND_METHODS, "fedfiot-default-noalign", "fedfiot-gram")
+    known = (*FEW_ROUND_METHODS, "fedfiot-default-noalign", "fedfiot-gram", "fedfiot-kfac")
     bad = [m for m in (*args.methods, *args.ablations) if m not in known]
     if bad:
         p.error(f"unknown methods {bad}; choose from {list(known)}")

@@ -234,10 +234,10 @@ def test_the_harness_validates_with_the_shipped_scorer_and_scores_as_the_trainer
         assert got["loss"] == pytest.approx(loss, rel=1e-5)
 
 
-def test_the_gram_curvature_row_and_its_cost_page(tmp_path: Path) -> None:
+def test_the_gram_and_kfac_curvature_rows_and_their_cost_page(tmp_path: Path) -> None:
     from benchmarks import curvature_cost
 
-    payload = one_shot.main(["--quick", "--methods", "fedavg", "fedfiot-gram", "regmean-gram", "--out",
+    payload = one_shot.main(["--quick", "--methods", "fedavg", "fedfiot-gram", "regmean-gram", "fedfiot-kfac", "--out",
                              str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--quiet", "--no-plots"])
     rows = [r for r in payload["records"] if r["method"] == "fedfiot-gram"]
     assert rows and all(0 <= r["test_accuracy"] <= 1 and r["knobs"]["curvature"] == "gram" for r in rows)
@@ -249,5 +249,10 @@ def test_the_gram_curvature_row_and_its_cost_page(tmp_path: Path) -> None:
     assert [r["upload_bytes"] for r in regmean] == [r["upload_bytes"] for r in rows]
     cost = curvature_cost.main(["--clients", "2", "--examples", "64", "--repeats", "1", "--out",
                                 str(tmp_path / "cost.md")])
+    kfac = [r for r in payload["records"] if r["method"] == "fedfiot-kfac"]
+    assert len(kfac) == len(rows) and all(r["knobs"]["curvature"] == "kfac" for r in kfac)
+    assert all(r["upload_bytes"] <= r["fedavg_bytes"] for r in kfac)
     assert cost["gram_bytes_per_fedavg"] <= 1.0 and cost["gram_merge_per_diagonal_merge"] > 0
-    assert "Gram merge / diagonal merge" in (tmp_path / "cost.md").read_text()
+    assert cost["kfac_bytes_per_fedavg"] <= 1.0 and cost["kfac_merge_per_diagonal_merge"] > 0
+    page = (tmp_path / "cost.md").read_text()
+    assert "Gram merge / diagonal merge" in page and "K-FAC merge / diagonal merge" in page

@@ -471,3 +471,17 @@ def test_sweep_cost_finds_the_baselines_choice_on_digits(tmp_path: Path) -> None
     page = (tmp_path / "sweep.md").read_text()
     assert "| digits (mlp) shared |" in page and "research/sweep_cost.py" in page
     assert "| NO |" not in page  # every variant returns the baseline's choice, model bytes included
+
+
+def test_gram_weight_norms_reports_each_merges_norms_and_the_next_epoch(tmp_path: Path) -> None:
+    from research import gram_weight_norms as GW
+
+    rows = GW.main(["--dataset", "digits", "--clients", "3", "--epochs", "1", "--knobs", "1,0", "1,0.5",
+                    "--out", str(tmp_path / "norms.md"), "--cache-dir", str(tmp_path / "cache")])
+    assert rows[0]["merge"].startswith("FedAvg") and len(rows) == 1 + 2 * 2
+    assert all(r["norms"] and all(v > 0 for v in r["norms"].values()) for r in rows)
+    assert all(r["next_epoch"] and all(math.isfinite(v) for v in r["next_epoch"]) for r in rows)
+    # a ridge only shrinks the closed form: the ridge-0.5 aligned merge has the smaller norms
+    plain, ridged = rows[1], rows[3]
+    assert sum(ridged["norms"].values()) < sum(plain["norms"].values())
+    assert "next epoch's loss" in (tmp_path / "norms.md").read_text()

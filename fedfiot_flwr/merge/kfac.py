@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
+import scipy.linalg
 
 __all__ = ["KFACLayers", "range_basis", "row_weights", "unit_weighted_solution"]
 
@@ -84,11 +85,23 @@ def unit_weighted_solution(w_avg: np.ndarray, r: np.ndarray, curvatures: Sequenc
         rhs -= weights[k][:, None] * (avg_u @ pa)
     y = np.empty_like(rhs)
     block = max(1, BLOCK_BYTES // max(1, 8 * rank * rank))
+    flat = projected.reshape(len(curvatures), -1)
     for start in range(0, rhs.shape[0], block):
         rows = slice(start, start + block)
-        systems = np.einsum("ki,kab->iab", weights[:, rows], projected)
-        y[rows] = np.linalg.solve(systems, rhs[rows][:, :, None])[:, :, 0]
+        systems = (weights[:, rows].T @ flat).reshape(-1, rank, rank)  # one GEMM: S_i's for the block's rows
+        for i, system in enumerate(systems):
+            y[start + i] = _solve_definite(system, rhs[start + i])
     return w_avg + y @ u.T
+
+
+def _solve_definite(system: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """``y`` with ``y S = rhs`` for a symmetric ``S`` positive definite on paper: Cholesky, or LU where the
+    directions kept near the cut-off leave it only semi-definite in floating point."""
+    try:
+        factor = scipy.linalg.cho_factor(system, lower=True, check_finite=False)
+    except np.linalg.LinAlgError:
+        return np.linalg.solve(system, rhs)
+    return scipy.linalg.cho_solve(factor, rhs, check_finite=False)
 
 
 def row_terms(w: np.ndarray, mats: Sequence[np.ndarray], curvatures: Sequence[np.ndarray],
