@@ -12,8 +12,8 @@ import pytest
 import torch
 from flwr.app import Array
 
-from _fedfiot_helpers import SPEC, answer, configure_round, one_torch_thread, task_identity  # noqa: F401
-from test_gram_strategy import _client
+from _fedfiot_helpers import SPEC, configure_round, one_torch_thread, task_identity  # noqa: F401
+from test_gram_strategy import _client, _replies
 from test_merge_gram import _loader, _model, _uploads
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, fisher_reply
 from fedfiot_flwr.algorithm import GramCurvature, fedfiot_gram_merge
@@ -123,15 +123,6 @@ def test_a_unit_only_one_client_uses_takes_that_clients_weights() -> None:
 def _strategy() -> FedFiOT:
     config = FedFiOTConfig.default(curvature="kfac", fisher_rounds=None, max_iters=3)
     return FedFiOT(spec=SPEC, config=config, min_valid_replies=2)
-
-
-def _replies(sent: dict, edit: dict | None = None) -> list:
-    out = []
-    for k, node in enumerate(sorted(sent)):
-        model, loader = _client(k)
-        content = fisher_reply(model, loader, {"train-loss": 1.0}, config=sent[node].content["config"])
-        out.append(answer(sent[node], (edit or {}).get(k, lambda c: c)(content)))
-    return out
 
 
 def test_a_kfac_round_asks_for_the_factors_and_returns_the_engines_merge_within_fedavgs_bytes() -> None:
