@@ -293,7 +293,7 @@ class AppConfig:
         preset's).
     curvature, gram_alpha
         :attr:`fedfiot_flwr.FedFiOTConfig.curvature` (``diagonal``: the clients' Fisher, the paper;
-        ``gram``: their layers' input Grams) and the Gram's off-diagonal scaling without validation
+        ``gram``: their layers' input Grams; ``kfac``: the Grams and each unit's output factor) and the Gram's off-diagonal scaling without validation
         data (with it, the sweep tries ``FedFiOTConfig``'s grid of alphas).
     fisher_rounds
         :attr:`fedfiot_flwr.FedFiOTConfig.fisher_rounds`: -1 the preset's, 0 every round, ``n``
