@@ -14,7 +14,12 @@ Methods (``--methods``):
 - ``fisher-merge``, ``fedfisher-diag``, ``regmean``: the same 16-bit uploads (RegMean: 16-bit
   weights + 8-bit rank-capped Grams, at most FedAvg's bytes);
 - ``fedfiot``: the paper preset (objective rule for the identity fallback);
-- ``fedfiot-default``: FedFiOT as a user gets it (validation picks aligned, identity or FedAvg).
+- ``fedfiot-default``: FedFiOT as a user gets it (validation picks aligned, identity or FedAvg);
+- ``fedfiot-gram``, ``fedfiot-kfac`` (not run by default): the default preset with the Gram or the
+  K-FAC curvature, the clients sending that reply every round.
+
+With the full partitions, round 1 is the one-shot benchmark's round: its trained clients are read
+from (and added to) ``--cache-dir``, so a method added later shares round 1 with the others.
 
 ``--ablations`` merges the uploads of one trajectory (``--ablate-on``, default
 ``fedfiot-default``) a second time with other methods, on the same clients of the same round, to
@@ -94,6 +99,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grid", choices=sorted(H.GRIDS), default="paper")
     p.add_argument("--fedfisher-steps", type=int, default=H.FEDFISHER_STEPS)
     p.add_argument("--data-root", default="")
+    p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR,
+                   help="the one-shot benchmark's cache of trained clients, read and filled for round 1")
     p.add_argument("--out", type=Path, default=H.RESULTS_DIR)
     p.add_argument("--name", default="few_round")
     p.add_argument("--resume", action="store_true", help="keep the trajectories already in <name>.json")
@@ -239,7 +246,8 @@ def run_setting(args: argparse.Namespace, init: str, seed: int, state: dict[str,
     federation = Federation(args, setting, split, state, log)
     log(f"{args.dataset} a={args.alpha:g} {init} E={args.epochs} seed {seed}: clients hold {split.client_sizes}")
     if args.train_fraction >= 1.0:  # round 1 is the one-shot benchmark's round: its cached clients when there
-        round1 = H.one_shot_uploads(setting, split, federation.buffers, device=federation.device, log=log)
+        round1 = H.one_shot_uploads(setting, split, federation.buffers, cache_dir=args.cache_dir,
+                                    device=federation.device, log=log)
     else:
         round1 = federation.train(H.shared_init(setting, split), 1)
     for method in todo:

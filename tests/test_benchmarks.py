@@ -154,7 +154,8 @@ def test_cached_uploads_are_the_trained_ones(tmp_path: Path) -> None:
 
 
 def test_few_round_smoke(tmp_path: Path) -> None:
-    payload = few_round.main(["--quick", "--rounds", "2", "--fedavg-rounds", "3", "--out", str(tmp_path), "--quiet"])
+    payload = few_round.main(["--quick", "--rounds", "2", "--fedavg-rounds", "3", "--out", str(tmp_path), "--quiet",
+                              "--cache-dir", str(tmp_path / "cache")])
     recs = payload["records"]
     rounds = {m: 3 if m == "fedavg" else 2 for m in few_round.FEW_ROUND_METHODS}
     assert sorted({(r["method"], r["round"]) for r in recs if not r["method"].startswith("ablation:")}) == sorted(
