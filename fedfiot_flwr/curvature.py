@@ -248,7 +248,6 @@ def input_grams(
     *,
     modules: Sequence[str] | None = None,
     device: torch.device | str | None = None,
-    progress: bool = False,
     convolutions: bool = False,
     sample: bool = False,
     outputs: bool = False,
@@ -270,8 +269,6 @@ def input_grams(
         Module names to cover; default every Linear layer (and Conv2d layer with ``convolutions``).
     device : torch.device or str, optional
         Where to compute (default: the model's device).
-    progress : bool
-        Unused (kept for compatibility): the pass is one forward pass per batch.
     convolutions : bool
         Also cover the Conv2d layers (``groups=1``): FedFiOT's Gram curvature; RegMean merges
         Linear layers only.
