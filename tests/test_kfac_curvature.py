@@ -14,7 +14,7 @@ from flwr.app import Array
 
 from _fedfiot_helpers import SPEC, configure_round, one_torch_thread, task_identity  # noqa: F401
 from test_gram_strategy import _client, _replies
-from test_merge_gram import _loader, _model, _uploads
+from test_merge_gram import _loader, _model, _uploads, assert_same_merge
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, fisher_reply
 from fedfiot_flwr.algorithm import GramCurvature, fedfiot_gram_merge
 from fedfiot_flwr.curvature import input_grams
@@ -59,13 +59,7 @@ def test_the_engine_equals_the_reference_form(uploads: tuple) -> None:
     ref = fedfiot_gram_merge(models, grams, sizes, spec, curvature=GramCurvature(0.9, ridge, 0.3))
     out = merge(models, grams, spec, MergeOptions(curvature="kfac", gram_alpha=0.9, gram_ridge=ridge, kfac_damping=0.3),
                 num_examples=sizes)
-    assert out.aligned == ref.aligned
-    for p in spec.perm_names:
-        assert all(np.array_equal(a, b) for a, b in zip(out.permutations[p], ref.permutations[p])), p
-    for name, value in ref.model.items():
-        scale = max(1.0, float(np.max(np.abs(value))))
-        np.testing.assert_allclose(out.model[name], value, rtol=0, atol=1e-9 * scale, err_msg=name)
-    np.testing.assert_allclose([out.aligned_objective, out.identity_objective], ref.objectives, rtol=1e-9)
+    assert_same_merge(out, ref, spec, 1e-9)
 
 
 def test_with_singular_sums_the_engine_reaches_the_reference_forms_alignment_and_objective(uploads: tuple) -> None:

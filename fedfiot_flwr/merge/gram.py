@@ -240,9 +240,10 @@ class PreparedGrams:
 
     def unit_weights(self, damping: float) -> list[dict[str, np.ndarray]]:
         """Per client, module name -> K-FAC's unit weights (:func:`~fedfiot_flwr.merge.kfac.row_weights`)."""
-        if len(self.outputs) != len(self) or any(set(ok) != set(self.layers) for ok in self.outputs):
-            missing = [f"client {self.client_ids[k]!r}: {sorted(set(self.layers) - set(ok))}"
-                       for k, ok in enumerate(self.outputs or [{}] * len(self)) if set(ok) != set(self.layers)]
+        outputs = self.outputs or [{} for _ in range(len(self))]
+        missing = [f"client {self.client_ids[k]!r}: {sorted(set(self.layers) - set(ok))}"
+                   for k, ok in enumerate(outputs) if set(ok) != set(self.layers)]
+        if missing:
             raise ValueError("the K-FAC curvature needs every Gram layer's output factor; missing for "
                              + "; ".join(missing))
         return [{l: row_weights(g, damping) for l, g in ok.items()} for ok in self.outputs]

@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 import numpy as np
 import scipy.linalg
 
-__all__ = ["KFACLayers", "range_basis", "row_weights", "unit_weighted_solution"]
+__all__ = ["KFACLayers", "project", "range_basis", "row_weights", "unit_weighted_solution"]
 
 #: Bytes of one block of stacked per-row systems (the rows are solved in blocks of this size).
 BLOCK_BYTES = 128 * 2**20
@@ -64,12 +64,18 @@ def range_basis(s: np.ndarray, rcond: float = 1e-10) -> np.ndarray:
     return vectors[:, np.abs(values) > rcond * top]
 
 
+def project(curvatures: Sequence[np.ndarray], basis: np.ndarray) -> np.ndarray:
+    """``(K, r, r)``: every ``U^T A_k U`` (what :func:`unit_weighted_solution` solves with)."""
+    return np.stack([basis.T @ a @ basis for a in curvatures])
+
+
 def unit_weighted_solution(w_avg: np.ndarray, r: np.ndarray, curvatures: Sequence[np.ndarray], weights: np.ndarray,
-                           basis: np.ndarray) -> np.ndarray:
+                           basis: np.ndarray, projected: np.ndarray | None = None) -> np.ndarray:
     """Per row ``i``, the ``W_i`` with ``W_i S_i = R_i`` closest to ``w_avg_i``, ``S_i = sum_k weights[k, i] A_k``.
 
     ``basis`` spans the range of ``sum_k A_k`` (:func:`range_basis`), which is every ``S_i``'s range when the
     weights are positive: ``W_i = w_avg_i + y_i U^T`` with ``y_i (U^T S_i U) = (R_i - w_avg_i S_i) U``.
+    ``projected`` is :func:`project` of the same curvatures and basis, when the caller keeps it.
 
     >>> a = [np.eye(2), np.diag([1.0, 3.0])]
     >>> w = unit_weighted_solution(np.zeros((1, 2)), np.array([[2.0, 4.0]]), a, np.ones((2, 1)), np.eye(2))
@@ -77,7 +83,8 @@ def unit_weighted_solution(w_avg: np.ndarray, r: np.ndarray, curvatures: Sequenc
     [[1.0, 1.0]]
     """
     u = basis
-    projected = np.stack([u.T @ a @ u for a in curvatures])  # (K, r, r): U^T A_k U
+    if projected is None:
+        projected = project(curvatures, u)
     rank = u.shape[1]
     avg_u = w_avg @ u
     rhs = r @ u
@@ -140,6 +147,9 @@ class KFACLayers:
                                for h, rc in zip(hk, rk)))
         members = len(views[0])
         self.basis = [basis(sum(self.curvatures[k][i] for k in range(self.n_clients))) for i in range(members)]
+        # U^T A U does not change while this group aligns: once per member, not once per solve
+        self.projected = [project([self.curvatures[k][i] for k in range(self.n_clients)], self.basis[i])
+                          for i in range(members)]
 
     def _quadratic(self, w: Sequence[np.ndarray], k: int) -> list[np.ndarray]:
         """Per member, ``w_l,i A_kl w_l,i^T`` for every global row ``i``."""
@@ -169,7 +179,7 @@ class KFACLayers:
         for i, (r, h) in enumerate(zip(num, den)):
             w_avg = sum(c * self.layers[k][i][p] for k, (c, p) in enumerate(zip(self.shares, perms)))
             out.append(unit_weighted_solution(w_avg, r, [self.curvatures[k][i] for k in range(self.n_clients)], h,
-                                              self.basis[i]))
+                                              self.basis[i], self.projected[i]))
         return out
 
     def objective(self, w: Sequence[np.ndarray], num: Sequence[np.ndarray], den: Sequence[np.ndarray]) -> float:

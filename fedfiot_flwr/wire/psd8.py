@@ -63,7 +63,7 @@ def _pack(
     if isinstance(rank, str):
         if rank != "fedavg":
             raise ValueError(f"rank must be an int, None or 'fedavg', got {rank!r}")
-        budget = fedavg_payload_bytes(state) - payload_bytes(content)["weights"] - payload_bytes(content)["curvature"]
+        budget = fedavg_payload_bytes(state) - payload_bytes(content)["total"]  # the weights and any output factors
         sizes = [m.shape[0] for _, _, mats in layers.values() for m in mats.values()]
         rank = rank_for_budget(sizes, budget)
     elif rank is not None and (int(rank) != rank or rank < 1):
