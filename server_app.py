@@ -100,6 +100,7 @@ def fedfiot_config(cfg: AppConfig) -> FedFiOTConfig:
         cfg.preset, rho=cfg.rho, lam=cfg.lam, reference=cfg.reference_value(), fisher_scaling=cfg.fisher_scaling,
         max_iters=cfg.max_iters, matching=cfg.matching, aggregation=cfg.aggregation,
         selection=cfg.fallback or base.selection, sweep=sweep, curvature=cfg.curvature, gram_alpha=cfg.gram_alpha,
+        gram_ridge=cfg.gram_ridge,
         fisher_rounds={-1: base.fisher_rounds, 0: None}.get(cfg.fisher_rounds, cfg.fisher_rounds),
         round_choice=cfg.round_choice or base.round_choice,
         reprobe_after={-1: base.reprobe_after, 0: None}.get(cfg.reprobe_after, cfg.reprobe_after),

@@ -993,7 +993,7 @@ def curvature_knobs(method: str, steps: int = FEDFISHER_STEPS, fisher_kind: str 
     if method in FEDFIOT_CURVATURES:
         what = ("Gram curvature" if method == "fedfiot-gram" else
                 f"K-FAC curvature (output-factor damping {DEFAULT_KFAC_DAMPING:g}), float32 output factors")
-        return (f"alpha x reference x (aligned | identity | FedAvg), the default preset's sweep with the {what} "
+        return (f"alpha x ridge x reference x (aligned | identity | FedAvg), the default preset's sweep with the {what} "
                 "[q16 weights + 8-bit rank-capped Grams of every Linear and Conv2d layer, <= FedAvg bytes]")
     return (f"checkpoint every 100 of {steps} steps (FedFisher's update rule, lr 0.01, size-weighted), "
             f"{fisher_kind} Fisher" + (" [q16 weights + 8-bit rank-capped K-FAC, <= FedAvg bytes]"
@@ -1036,7 +1036,7 @@ def apply_curvature_method(
     if isinstance(aggregator, RegMeanAggregator):
         chosen["swept"], candidates = ["alpha"], len(aggregator.alphas)
     elif isinstance(aggregator, FedFiOTAggregator):
-        chosen["swept"], candidates = ["gram_alpha", "reference", "variant"], len(outcome.trials)
+        chosen["swept"], candidates = ["gram_alpha", "gram_ridge", "reference", "variant"], len(outcome.trials)
     else:
         chosen["swept"], candidates = ["best_step"], len(outcome.record.get("history", []))
     moved = float(np.mean(outcome.metrics.get("alignment-moved-fraction") or [0.0]))
@@ -1215,6 +1215,8 @@ def knob_text(knobs: Mapping[str, Any]) -> str:
         parts.append(f"α={knobs['alpha']:g}")
     if "gram_alpha" in swept:  # FedFiOT with the Gram curvature
         parts.append(f"α={knobs['gram_alpha']:g}")
+        if "gram_ridge" in swept:
+            parts.append(f"ridge={knobs['gram_ridge']:g}")
         if knobs.get("variant") in ("identity", "fedavg"):
             parts.append(str(knobs["variant"]))
     if "best_step" in swept:  # FedFisher

@@ -24,6 +24,7 @@ from fedfiot_flwr.options import (
     CLIENT_FISHER_KINDS,
     CURVATURES,
     DEFAULT_GRAM_ALPHA,
+    DEFAULT_GRAM_RIDGE,
     DEFAULT_GRID_LAMS,
     DEFAULT_GRID_REFERENCES,
     DEFAULT_GRID_RHOS,
@@ -162,6 +163,7 @@ def rules() -> dict[str, Rule]:
         "fisher_scaling": Rule(_one_of(FISHER_SCALINGS), lambda v: v in FISHER_SCALINGS),
         "curvature": Rule(_one_of(CURVATURES), lambda v: v in CURVATURES),
         "gram_alpha": Rule("a number in [0, 1]", lambda v: 0 <= v <= 1),
+        "gram_ridge": Rule("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
         "preset": Rule(_one_of(PRESETS), lambda v: v in PRESETS),
         "fallback": Rule(_one_of(SELECTIONS) + ", or empty (the preset's)", lambda v: v == "" or v in SELECTIONS),
         "round_choice": Rule(_one_of(ROUND_CHOICES) + ", or empty (the preset's)",
@@ -291,10 +293,11 @@ class AppConfig:
         The merge: ``preset`` names :meth:`fedfiot_flwr.FedFiOTConfig.default` or ``.paper``; the
         other keys are that configuration's fields (``fallback`` is its ``selection``; empty: the
         preset's).
-    curvature, gram_alpha
+    curvature, gram_alpha, gram_ridge
         :attr:`fedfiot_flwr.FedFiOTConfig.curvature` (``diagonal``: the clients' Fisher, the paper;
-        ``gram``: their layers' input Grams; ``kfac``: the Grams and each unit's output factor) and the Gram's off-diagonal scaling without validation
-        data (with it, the sweep tries ``FedFiOTConfig``'s grid of alphas).
+        ``gram``: their layers' input Grams; ``kfac``: the Grams and each unit's output factor) and
+        the Gram's off-diagonal scaling and relative ridge without validation data (with it, the
+        sweep tries ``FedFiOTConfig``'s grid of alphas and ridges).
     fisher_rounds
         :attr:`fedfiot_flwr.FedFiOTConfig.fisher_rounds`: -1 the preset's, 0 every round, ``n``
         rounds 1 to ``n`` with the Fisher and FedAvg afterwards.
@@ -365,6 +368,7 @@ class AppConfig:
     fisher_scaling: str = "none"
     curvature: str = "diagonal"
     gram_alpha: float = DEFAULT_GRAM_ALPHA
+    gram_ridge: float = DEFAULT_GRAM_RIDGE
     preset: str = "default"
     fallback: str = ""
     fisher_rounds: int = -1

@@ -37,6 +37,8 @@ __all__ = [
     "DEFAULT_GRAM_ALPHA",
     "DEFAULT_GRAM_CAP",
     "DEFAULT_GRID_GRAM_ALPHAS",
+    "DEFAULT_GRID_GRAM_RIDGES",
+    "DEFAULT_GRAM_RIDGE",
     "DEFAULT_GRID_LAMS",
     "DEFAULT_GRID_REFERENCES",
     "DEFAULT_GRID_RHOS",
@@ -213,6 +215,12 @@ DEFAULT_GRID_LAMS = (1e-3, 1e-4, 1e-5)
 DEFAULT_GRID_REFERENCES = ("largest", "broadcast")
 DEFAULT_GRID_GRAM_ALPHAS = (0.1, 0.5, 0.9, 1.0)
 """The Gram curvature's off-diagonal scalings tried on validation data (RegMean's 0.1 and 0.9, and 0.5, 1)."""
+DEFAULT_GRID_GRAM_RIDGES = (0.01, 0.1)
+"""The Gram curvature's relative ridges tried on validation data. No ridge is not among them: validation one
+round ahead cannot see that an unridged merge's inflated weights stop the clients from training the next round
+(research/results/gram_weight_norms.md)."""
+DEFAULT_GRAM_RIDGE = 0.01
+"""The Gram curvature's relative ridge without validation data (times each Gram's mean diagonal entry)."""
 DEFAULT_GRAM_CAP = 100.0
 """Robust weighting of the Gram curvature: a client's Gram of a layer more than this many times the other clients'
 median (mean diagonal entry) is brought down to it. Looser than the Fisher's cap: the Grams of honest clients' hidden

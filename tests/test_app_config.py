@@ -50,6 +50,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("fisher-scaling", "big", "one of none, size, normalized, normalized-size"),
     ("curvature", "shampoo", "one of diagonal, gram, kfac"),
     ("gram-alpha", 1.5, "a number in [0, 1]"),
+    ("gram-ridge", -0.1, "a finite number >= 0"),
     ("preset", "fast", "one of default, paper"),
     ("fallback", "fedavg", "one of objective, validation, none, or empty"),
     ("round-choice", "server", "one of clients, none, or empty"),

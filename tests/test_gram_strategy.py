@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from _fedfiot_helpers import SPEC, answer, configure_round, one_torch_thread, task_identity, tiny_mlp  # noqa: F401
 from fedfiot_flwr import FedFiOT, FedFiOTConfig, FedFiOTLegacy, fisher_reply
 from fedfiot_flwr.merge import MergeOptions, merge
-from fedfiot_flwr.options import CURVATURE_CONFIG_KEY
+from fedfiot_flwr.options import CURVATURE_CONFIG_KEY, DEFAULT_GRAM_RIDGE
 from fedfiot_flwr.psd import InputGram
 from fedfiot_flwr.server.outcome import RoundContext
 from fedfiot_flwr.server.selection import sweep_candidates
@@ -56,7 +56,7 @@ def test_a_gram_round_asks_for_grams_and_returns_the_engines_gram_merge_of_the_u
     arrays, _ = strategy.aggregate_train(1, replies)
     decoded = [decode_reply(m.content, "gram", client=str(i), expected_shapes=None) for i, m in enumerate(replies)]
     expected = merge([d.weights for d in decoded], [d.grams for d in decoded], SPEC,
-                     MergeOptions(curvature="gram", gram_alpha=0.9, max_iters=3),
+                     MergeOptions(curvature="gram", gram_alpha=0.9, gram_ridge=DEFAULT_GRAM_RIDGE, max_iters=3),
                      num_examples=[d.num_examples for d in decoded])
     got = {k: v.numpy() for k, v in arrays.items()}
     for name, value in expected.model.items():
@@ -146,7 +146,35 @@ def test_the_legacy_strategy_runs_the_same_gram_round() -> None:
     out, _ = legacy.aggregate_fit(1, results, [])
     decoded = [decode_reply(c, "gram", client=str(i), expected_shapes=None) for i, c in enumerate(contents)]
     expected = merge([d.weights for d in decoded], [d.grams for d in decoded], SPEC,
-                     MergeOptions(curvature="gram", gram_alpha=0.9, max_iters=3),
+                     MergeOptions(curvature="gram", gram_alpha=0.9, gram_ridge=DEFAULT_GRAM_RIDGE, max_iters=3),
                      num_examples=[d.num_examples for d in decoded])
     for got, (name, value) in zip(parameters_to_ndarrays(out), expected.model.items()):
         np.testing.assert_allclose(got, value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_with_validation_data_the_gram_sweep_tries_every_alpha_and_ridge_and_keeps_the_best_merge() -> None:
+    uploads = _uploads(None)
+    collected = CollectedUploads(client_ids=[str(i) for i in range(4)], weights=[u[0] for u in uploads],
+                                 num_examples=[u[2] for u in uploads], grams=[u[1] for u in uploads])
+    config = FedFiOTConfig.default(curvature="gram", max_iters=3, fedavg_candidate=False)
+    grid = config.sweep
+    assert grid is not None and len(grid.gram_ridges) >= 2
+
+    def smallest_weights(model: dict) -> dict[str, float]:  # prefers the most regularised merge
+        return {"accuracy": -float(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in model.values()))}
+
+    out = sweep_candidates(collected, SPEC, config.for_server(True),
+                           RoundContext(server_round=1, validate=smallest_weights))
+    tried = {(t["gram_alpha"], t["gram_ridge"]) for t in out.trials}
+    assert {(float(a), float(r)) for a in grid.gram_alphas for r in grid.gram_ridges} <= tried
+    best = max(t["validation"]["accuracy"] for t in out.trials if t["validation"] is not None)
+    assert smallest_weights(out.model)["accuracy"] == pytest.approx(best)
+    chosen = out.chosen
+    expected = merge([u[0] for u in uploads], [u[1] for u in uploads], SPEC,
+                     MergeOptions(curvature="gram", gram_alpha=chosen["gram_alpha"], gram_ridge=chosen["gram_ridge"],
+                                  max_iters=3, reference=chosen["reference"]),
+                     num_examples=[u[2] for u in uploads])
+    kept = expected.model if chosen["variant"] == "aligned" else expected.identity_model
+    for name, value in kept.items():
+        np.testing.assert_allclose(out.model[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+    assert out.metrics["gram-ridge"] == chosen["gram_ridge"] == max(grid.gram_ridges)

@@ -21,7 +21,7 @@ from fedfiot_flwr.curvature import input_grams
 from fedfiot_flwr.fisher import diagonal_fisher
 from fedfiot_flwr.merge import MergeOptions, merge
 from fedfiot_flwr.merge.kfac import row_weights
-from fedfiot_flwr.options import CURVATURE_CONFIG_KEY
+from fedfiot_flwr.options import CURVATURE_CONFIG_KEY, DEFAULT_GRAM_RIDGE
 from fedfiot_flwr.wire import ARRAYS_RECORD, decode_reply
 from fedfiot_flwr.wire.sizes import fedavg_payload_bytes, payload_bytes
 
@@ -131,7 +131,7 @@ def test_a_kfac_round_asks_for_the_factors_and_returns_the_engines_merge_within_
     decoded = [decode_reply(m.content, "gram-output", client=str(i), expected_shapes=None) for i, m in enumerate(replies)]
     assert all(g.output is not None for d in decoded for g in d.grams.values())
     expected = merge([d.weights for d in decoded], [d.grams for d in decoded], SPEC,
-                     MergeOptions(curvature="kfac", gram_alpha=0.9, max_iters=3),
+                     MergeOptions(curvature="kfac", gram_alpha=0.9, gram_ridge=DEFAULT_GRAM_RIDGE, max_iters=3),
                      num_examples=[d.num_examples for d in decoded])
     got = {k: v.numpy() for k, v in arrays.items()}
     for name, value in expected.model.items():

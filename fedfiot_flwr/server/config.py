@@ -38,6 +38,7 @@ from fedfiot_flwr.merge.validate import check_options
 from fedfiot_flwr.options import (
     DEFAULT_FISHER_ROUNDS,
     DEFAULT_GRAM_ALPHA,
+    DEFAULT_GRAM_RIDGE,
     DEFAULT_GRAM_CAP,
     DEFAULT_HANDOVER_AFTER,
     DEFAULT_KFAC_DAMPING,
@@ -166,12 +167,14 @@ class FedFiOTConfig:
         (K-FAC with a diagonal output factor, :mod:`fedfiot_flwr.merge.kfac`). With ``"gram"`` or
         ``"kfac"`` the train config asks the clients for that reply
         (:data:`~fedfiot_flwr.options.CURVATURE_CONFIG_KEY`), ``rho``, ``lam`` and
-        ``fisher_scaling`` are not used, and the sweep tries ``sweep.gram_alphas`` and the
-        references.
+        ``fisher_scaling`` are not used, and the sweep tries ``sweep.gram_alphas``,
+        ``sweep.gram_ridges`` and the references.
     gram_alpha : float
         The Gram's off-diagonal scaling in [0, 1] without validation data (RegMean's alpha).
     gram_ridge : float
-        Relative ridge added to every Gram's diagonal (times its mean diagonal entry).
+        Relative ridge added to every Gram's diagonal (times its mean diagonal entry) without
+        validation data. Without one, the merge can inflate the weights until the clients cannot
+        train from it the next round (``docs/configuration.md``).
     gram_cap : float or None
         Robust weighting of the Gram curvature: a client's Gram of a layer whose mean diagonal
         entry is more than this factor times the other clients' median is scaled down to it
@@ -209,7 +212,7 @@ class FedFiOTConfig:
     reprobe_after: int | None = DEFAULT_REPROBE_AFTER
     curvature: str = "diagonal"
     gram_alpha: float = DEFAULT_GRAM_ALPHA
-    gram_ridge: float = 0.0
+    gram_ridge: float = DEFAULT_GRAM_RIDGE
     gram_cap: float | None = DEFAULT_GRAM_CAP
     kfac_damping: float = DEFAULT_KFAC_DAMPING
 
@@ -248,8 +251,9 @@ class FedFiOTConfig:
     @property
     def candidate(self) -> Candidate:
         """This configuration's own ``(rho, lam, reference, fisher_scaling)``: the merge without a sweep."""
-        alpha = float(self.gram_alpha) if self.curvature in GRAM_CURVATURES else None
-        return Candidate(float(self.rho), float(self.lam), self.reference, self.fisher_scaling, alpha)
+        gram = self.curvature in GRAM_CURVATURES
+        return Candidate(float(self.rho), float(self.lam), self.reference, self.fisher_scaling,
+                         float(self.gram_alpha) if gram else None, float(self.gram_ridge) if gram else None)
 
     @property
     def speed(self) -> MergeSpeed:
@@ -318,14 +322,14 @@ class FedFiOTConfig:
         grams = ("the clients' input Grams" if cfg.curvature == "gram" else
                  f"the clients' input Grams and output factors (K-FAC, damping {cfg.kfac_damping:g})")
         if cfg.sweep is None or not has_validation:
-            knobs = (f"{grams} (alpha={cfg.gram_alpha:g}), reference={cfg.reference}" if gram else
+            knobs = (f"{grams} (alpha={cfg.gram_alpha:g}, ridge={cfg.gram_ridge:g}), reference={cfg.reference}" if gram else
                      f"rho={cfg.rho:g}, lam={cfg.lam:g}, reference={cfg.reference}")
             return f"FedFiOT merge ({self.name}) with {knobs} and {rule}{then}"
         g = cfg.sweep
         if gram:
-            size = len(g.references) * len(g.gram_alphas)
+            size = len(g.references) * len(g.gram_alphas) * len(g.gram_ridges)
             return (f"FedFiOT merge ({self.name}) with {grams}: up to {size} knob settings "
-                    f"(alpha, reference) and {rule}{then}")
+                    f"(alpha, ridge, reference) and {rule}{then}")
         size = len(g.rhos) * len(g.lams) * len(g.references) * len(g.fisher_scalings)
         first = len(g.candidates(None, 1, cfg.broadcast_in_round_one))
         round_one = f" ({first} in round 1, without the broadcast reference)" if first != size else ""

@@ -35,6 +35,7 @@ from fedfiot_flwr.merge.robust import cap_fishers_explained, describe_outliers
 from fedfiot_flwr.options import (
     GRAM_CURVATURES,
     DEFAULT_GRID_GRAM_ALPHAS,
+    DEFAULT_GRID_GRAM_RIDGES,
     DEFAULT_GRID_LAMS,
     DEFAULT_GRID_REFERENCES,
     DEFAULT_GRID_RHOS,
@@ -72,6 +73,8 @@ class Candidate:
     gram_alpha : float or None
         The Gram curvature's off-diagonal scaling (``None``: a diagonal-Fisher candidate, which
         ``rho``, ``lam`` and ``fisher_scaling`` describe).
+    gram_ridge : float or None
+        The Gram curvature's relative ridge (``None``: the configuration's ``gram_ridge``).
     """
 
     rho: float
@@ -79,6 +82,7 @@ class Candidate:
     reference: str | int = "largest"
     fisher_scaling: str = "none"
     gram_alpha: float | None = None
+    gram_ridge: float | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.reference, int) or self.reference in REFERENCES):
@@ -91,11 +95,15 @@ class Candidate:
             raise ValueError(f"lam must be > 0, got {self.lam!r}")
         if self.gram_alpha is not None and not 0.0 <= self.gram_alpha <= 1.0:
             raise ValueError(f"gram_alpha must lie in [0, 1], got {self.gram_alpha!r}")
+        if self.gram_ridge is not None and not 0.0 <= self.gram_ridge < math.inf:
+            raise ValueError(f"gram_ridge must be a finite number >= 0, got {self.gram_ridge!r}")
 
     def label(self) -> str:
-        """Short human-readable name, e.g. ``rho=0.5,lam=1e-04,ref=largest,scale=none`` or ``gram-alpha=0.9,ref=largest``."""
+        """Short human-readable name, e.g. ``rho=0.5,lam=1e-04,ref=largest,scale=none`` or
+        ``gram-alpha=0.9,ridge=0.01,ref=largest``."""
         if self.gram_alpha is not None:
-            return f"gram-alpha={self.gram_alpha:g},ref={self.reference}"
+            ridge = "" if self.gram_ridge is None else f"ridge={self.gram_ridge:g},"
+            return f"gram-alpha={self.gram_alpha:g},{ridge}ref={self.reference}"
         return f"rho={self.rho:g},lam={self.lam:.0e},ref={self.reference},scale={self.fisher_scaling}"
 
 
@@ -116,6 +124,8 @@ class SweepGrid:
     gram_alphas : tuple of float
         The Gram curvature's off-diagonal scalings (tried instead of ``rhos``, ``lams`` and
         ``fisher_scalings`` when the default candidate is a Gram one).
+    gram_ridges : tuple of float
+        The Gram curvature's relative ridges, tried with every ``gram_alphas`` value.
     """
 
     rhos: tuple[float, ...] = DEFAULT_GRID_RHOS
@@ -123,6 +133,7 @@ class SweepGrid:
     references: tuple[str, ...] = DEFAULT_GRID_REFERENCES
     fisher_scalings: tuple[str, ...] = ("none",)
     gram_alphas: tuple[float, ...] = DEFAULT_GRID_GRAM_ALPHAS
+    gram_ridges: tuple[float, ...] = DEFAULT_GRID_GRAM_RIDGES
 
     def candidates(self, default: Candidate | None = None, server_round: int = 1,
                    broadcast_in_round_one: bool = False) -> list[Candidate]:
@@ -150,10 +161,11 @@ class SweepGrid:
             out.append(default)
         if default is not None and default.gram_alpha is not None:
             for ref in refs:
-                for alpha in self.gram_alphas:
-                    c = Candidate(default.rho, default.lam, ref, default.fisher_scaling, float(alpha))
-                    if c not in out:
-                        out.append(c)
+                for ridge in self.gram_ridges:
+                    for alpha in self.gram_alphas:
+                        c = Candidate(default.rho, default.lam, ref, default.fisher_scaling, float(alpha), float(ridge))
+                        if c not in out:
+                            out.append(c)
             return out
         for ref in refs:
             for scaling in self.fisher_scalings:
@@ -361,7 +373,7 @@ def _round_candidates(config: FedFiOTConfig, server_round: int, has_validation: 
         return config.sweep.candidates(default, server_round, config.broadcast_in_round_one)
     if default.reference == "broadcast" and server_round <= 1 and not config.broadcast_in_round_one:
         logger.info("FedFiOT: reference='broadcast' in round 1 is the random init; using 'largest'")
-        return [Candidate(default.rho, default.lam, "largest", default.fisher_scaling, default.gram_alpha)]
+        return [dataclasses.replace(default, reference="largest")]
     return [default]
 
 
@@ -392,7 +404,7 @@ def _try_candidates(
             fallback="none" if config.selection == "validation" else config.selection,
             fisher_scaling=cand.fisher_scaling, curvature=config.curvature,
             gram_alpha=config.gram_alpha if cand.gram_alpha is None else cand.gram_alpha,
-            gram_ridge=config.gram_ridge, kfac_damping=config.kfac_damping,
+            gram_ridge=config.gram_ridge if cand.gram_ridge is None else cand.gram_ridge, kfac_damping=config.kfac_damping,
         )
         res = merge(
             clients, None, spec, options, speed=config.speed,
@@ -438,6 +450,7 @@ def _report(out: RoundOutcome, config: FedFiOTConfig, uploads: CollectedUploads,
         "rho": float(cand.rho),
         "lam": float(cand.lam),
         **({} if cand.gram_alpha is None else {"gram-alpha": float(cand.gram_alpha)}),
+        **({} if cand.gram_ridge is None else {"gram-ridge": float(cand.gram_ridge)}),
         "merge-seconds": float(res.seconds),
         "num-trials": len(out.trials),
     }
@@ -458,6 +471,7 @@ def _report(out: RoundOutcome, config: FedFiOTConfig, uploads: CollectedUploads,
     out.chosen = {"rho": cand.rho, "lam": cand.lam, "reference": cand.reference,
                   "fisher_scaling": cand.fisher_scaling, "variant": out.variant}
     if cand.gram_alpha is not None:
-        out.chosen = {"curvature": config.curvature, "gram_alpha": cand.gram_alpha, "reference": cand.reference,
-                      "variant": out.variant}
+        out.chosen = {"curvature": config.curvature, "gram_alpha": cand.gram_alpha,
+                      "gram_ridge": config.gram_ridge if cand.gram_ridge is None else cand.gram_ridge,
+                      "reference": cand.reference, "variant": out.variant}
     out.permutations = {p: list(v) for p, v in res.permutations.items()} if out.variant == "aligned" else None
