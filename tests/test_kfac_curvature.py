@@ -1,7 +1,8 @@
 """FedFiOT with K-FAC's curvature (the input Gram with a diagonal output factor): the client's output factor is
 the bias's empirical Fisher, the engine equals the reference form, no alternation step raises J, a large damping
-gives the Gram curvature's merge, the strategy asks for and merges the factors within FedAvg's bytes, and a reply
-without them or with a broken one is excluded naming the client."""
+gives the Gram curvature's merge, the strategy asks for and merges the factors within FedAvg's bytes, a reply
+without them or with a broken one is excluded naming the client, one client's inflated output factors leave the
+merge as it was, and its inflated Gram is capped."""
 
 from __future__ import annotations
 
@@ -164,3 +165,42 @@ def test_a_reply_without_output_factors_or_with_a_broken_one_is_excluded_naming_
         assert "output factor 'curvature/" in rejected[str(node)] and "NaN, inf or negative" in rejected[str(node)]
     assert arrays is not None  # the round goes on with the two valid replies
     assert strategy.server_metrics[1]["num-valid"] == 2
+
+
+@pytest.mark.parametrize("inflate", [1e3, 1e6])
+def test_one_clients_inflated_output_factors_leave_the_merge_as_it_was(inflate: float) -> None:
+    models, grams, sizes, spec = _with_outputs("cnn")
+    inflated = [dict(gk) for gk in grams]
+    inflated[1] = {l: replace(g, output=g.output * inflate) for l, g in grams[1].items()}
+    options = MergeOptions(curvature="kfac", kfac_damping=0.3, gram_ridge=0.01)
+    honest = merge(models, grams, spec, options, num_examples=sizes).model
+    attacked = merge(models, inflated, spec, options, num_examples=sizes).model
+    for name, value in honest.items():
+        np.testing.assert_allclose(attacked[name], value, rtol=1e-7, atol=1e-9, err_msg=name)
+
+
+@pytest.mark.parametrize("inflate", [1e3, 1e6, float(np.finfo(np.float32).max) / 1e3])
+def test_one_inflated_gram_under_kfac_is_capped_to_the_other_clients_median(inflate: float) -> None:
+    from fedfiot_flwr.server.outcome import RoundContext
+    from fedfiot_flwr.server.selection import sweep_candidates
+    from fedfiot_flwr.server.uploads import CollectedUploads
+
+    decoded = []
+    for k in range(4):
+        content = fisher_reply(*_client(k), {}, config={CURVATURE_CONFIG_KEY: "kfac"})
+        decoded.append(decode_reply(content, "gram-output", client=str(k), expected_shapes=None))
+
+    def merged(attack: float | None, cap: float | None) -> dict:
+        grams = [dict(d.grams) for d in decoded]
+        if attack is not None:
+            grams[3] = {l: replace(g, gram=g.gram * attack) for l, g in grams[3].items()}
+        collected = CollectedUploads(client_ids=[str(i) for i in range(4)], weights=[d.weights for d in decoded],
+                                     num_examples=[d.num_examples for d in decoded], grams=grams)
+        config = FedFiOTConfig.default(curvature="kfac", gram_cap=cap).without_validation()
+        return sweep_candidates(collected, SPEC, config, RoundContext(server_round=1)).model
+
+    def distance(a: dict, b: dict) -> float:
+        return float(np.sqrt(sum(np.sum((np.asarray(a[n], float) - b[n]) ** 2) for n in a)))
+
+    honest = merged(None, 100.0)
+    assert distance(merged(inflate, 100.0), honest) < 0.25 * distance(merged(inflate, None), honest)
