@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_GRID_GRAM_ALPHAS",
     "DEFAULT_GRID_GRAM_RIDGES",
     "DEFAULT_GRAM_RIDGE",
+    "DEFAULT_GRAM_GROWTH",
     "DEFAULT_GRID_LAMS",
     "DEFAULT_GRID_REFERENCES",
     "DEFAULT_GRID_RHOS",
@@ -221,6 +222,12 @@ round ahead cannot see that an unridged merge's inflated weights stop the client
 (research/results/gram_weight_norms.md)."""
 DEFAULT_GRAM_RIDGE = 0.01
 """The Gram curvature's relative ridge without validation data (times each Gram's mean diagonal entry)."""
+DEFAULT_GRAM_GROWTH = 1.5
+"""The Gram curvatures' growth bound: a merge with a tensor whose norm exceeds this factor times the largest
+client's norm of that tensor is not kept. FedAvg of the uploads always meets it (a weighted mean of the clients'
+tensors is no longer than the longest), so it is the fallback when no merge does. The Gram closed form is not a
+weighted mean and can extrapolate; the clients could not train from the merges it excluded on Fashion-MNIST
+(research/results/gram_weight_norms.md). A bound, not a tuned knob: on that cell 1.5 and 2 keep the same merge."""
 DEFAULT_GRAM_CAP = 100.0
 """Robust weighting of the Gram curvature: a client's Gram of a layer more than this many times the other clients'
 median (mean diagonal entry) is brought down to it. Looser than the Fisher's cap: the Grams of honest clients' hidden

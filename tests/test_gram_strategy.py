@@ -41,7 +41,7 @@ def _replies(sent: dict, edit: dict | None = None) -> list:
 
 
 def _strategy(**changes: object) -> FedFiOT:
-    config = FedFiOTConfig.default(curvature="gram", fisher_rounds=None, max_iters=3, **changes)
+    config = FedFiOTConfig.default(curvature="gram", fisher_rounds=None, max_iters=3, gram_growth=None, **changes)
     return FedFiOT(spec=SPEC, config=config, min_valid_replies=2)
 
 
@@ -107,7 +107,7 @@ def test_one_inflated_gram_is_capped_to_the_other_clients_median(inflate: float)
     def merged(uploads: list, cap: float | None) -> dict:
         collected = CollectedUploads(client_ids=[str(i) for i in range(4)], weights=[u[0] for u in uploads],
                                      num_examples=[u[2] for u in uploads], grams=[u[1] for u in uploads])
-        config = FedFiOTConfig.default(curvature="gram", gram_cap=cap).without_validation()
+        config = FedFiOTConfig.default(curvature="gram", gram_cap=cap, gram_growth=None).without_validation()
         return sweep_candidates(collected, SPEC, config, RoundContext(server_round=1)).model
 
     honest = merged(_uploads(None), 100.0)
@@ -129,7 +129,7 @@ def test_the_legacy_strategy_runs_the_same_gram_round() -> None:
     from fedfiot_flwr.server.legacy_envelope import reply_to_ndarrays
 
     model = tiny_mlp()
-    legacy = FedFiOTLegacy(model=model, config=FedFiOTConfig.default(curvature="gram", max_iters=3),
+    legacy = FedFiOTLegacy(model=model, config=FedFiOTConfig.default(curvature="gram", max_iters=3, gram_growth=None),
                            min_fit_clients=3, min_available_clients=3)
     manager = SimpleClientManager()
     for cid in ("a", "b", "c"):
@@ -156,7 +156,7 @@ def test_with_validation_data_the_gram_sweep_tries_every_alpha_and_ridge_and_kee
     uploads = _uploads(None)
     collected = CollectedUploads(client_ids=[str(i) for i in range(4)], weights=[u[0] for u in uploads],
                                  num_examples=[u[2] for u in uploads], grams=[u[1] for u in uploads])
-    config = FedFiOTConfig.default(curvature="gram", max_iters=3, fedavg_candidate=False)
+    config = FedFiOTConfig.default(curvature="gram", max_iters=3, fedavg_candidate=False, gram_growth=None)
     grid = config.sweep
     assert grid is not None and len(grid.gram_ridges) >= 2
 

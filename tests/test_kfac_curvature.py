@@ -115,8 +115,8 @@ def test_a_unit_only_one_client_uses_takes_that_clients_weights() -> None:
     assert np.linalg.norm(out["l.weight"][1] - w[1][1]) < 0.02 * np.linalg.norm(w[0][1] - w[1][1])
 
 
-def _strategy() -> FedFiOT:
-    config = FedFiOTConfig.default(curvature="kfac", fisher_rounds=None, max_iters=3)
+def _strategy(growth: float | None = None) -> FedFiOT:
+    config = FedFiOTConfig.default(curvature="kfac", fisher_rounds=None, max_iters=3, gram_growth=growth)
     return FedFiOT(spec=SPEC, config=config, min_valid_replies=2)
 
 
@@ -196,7 +196,7 @@ def test_one_inflated_gram_under_kfac_is_capped_to_the_other_clients_median(infl
             grams[3] = {l: replace(g, gram=g.gram * attack) for l, g in grams[3].items()}
         collected = CollectedUploads(client_ids=[str(i) for i in range(4)], weights=[d.weights for d in decoded],
                                      num_examples=[d.num_examples for d in decoded], grams=grams)
-        config = FedFiOTConfig.default(curvature="kfac", gram_cap=cap).without_validation()
+        config = FedFiOTConfig.default(curvature="kfac", gram_cap=cap, gram_growth=None).without_validation()
         return sweep_candidates(collected, SPEC, config, RoundContext(server_round=1)).model
 
     def distance(a: dict, b: dict) -> float:

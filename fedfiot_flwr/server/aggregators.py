@@ -190,6 +190,9 @@ def describe_fedfiot_choice(chosen: Mapping[str, Any], metrics: Mapping[str, Any
         if moved == 0:
             return "kept the identity merge (the alignment found nothing to move)"
         return f"kept the identity merge, no alignment (the discarded alignment would have moved {share} of neurons)"
+    if metrics.get("merges-grown", 0) == metrics.get("num-trials", -1):
+        return ("kept FedAvg of the same uploads (every merge grew a tensor beyond the growth bound, "
+                "FedFiOTConfig.gram_growth)")
     return "kept FedAvg of the same uploads (it validated best; FedFiOT's own merge is reported next to it)"
 
 

@@ -39,6 +39,7 @@ from fedfiot_flwr.options import (
     DEFAULT_FISHER_ROUNDS,
     DEFAULT_GRAM_ALPHA,
     DEFAULT_GRAM_RIDGE,
+    DEFAULT_GRAM_GROWTH,
     DEFAULT_GRAM_CAP,
     DEFAULT_HANDOVER_AFTER,
     DEFAULT_KFAC_DAMPING,
@@ -175,6 +176,12 @@ class FedFiOTConfig:
         Relative ridge added to every Gram's diagonal (times its mean diagonal entry) without
         validation data. Without one, the merge can inflate the weights until the clients cannot
         train from it the next round (``docs/configuration.md``).
+    gram_growth : float or None
+        With ``"gram"`` or ``"kfac"``: a merge (aligned or identity) with a tensor whose Frobenius
+        norm exceeds this factor times the largest client's norm of that tensor is not kept (the
+        trial records the tensor); when no merge of the round meets the bound, the round is FedAvg
+        of the uploads, which always does (:data:`~fedfiot_flwr.options.DEFAULT_GRAM_GROWTH`).
+        ``None`` or 0: no bound.
     gram_cap : float or None
         Robust weighting of the Gram curvature: a client's Gram of a layer whose mean diagonal
         entry is more than this factor times the other clients' median is scaled down to it
@@ -213,6 +220,7 @@ class FedFiOTConfig:
     curvature: str = "diagonal"
     gram_alpha: float = DEFAULT_GRAM_ALPHA
     gram_ridge: float = DEFAULT_GRAM_RIDGE
+    gram_growth: float | None = DEFAULT_GRAM_GROWTH
     gram_cap: float | None = DEFAULT_GRAM_CAP
     kfac_damping: float = DEFAULT_KFAC_DAMPING
 
@@ -229,6 +237,10 @@ class FedFiOTConfig:
             object.__setattr__(self, "fisher_cap", None)
         if self.fisher_cap is not None and not self.fisher_cap >= 1:
             raise ValueError(f"fisher_cap must be >= 1, or 0 / None for no cap, got {self.fisher_cap!r}")
+        if self.gram_growth == 0:
+            object.__setattr__(self, "gram_growth", None)
+        if self.gram_growth is not None and not 1 <= self.gram_growth < float("inf"):
+            raise ValueError(f"gram_growth must be a finite number >= 1, or 0 / None for no bound, got {self.gram_growth!r}")
         if self.gram_cap == 0:
             object.__setattr__(self, "gram_cap", None)
         if self.gram_cap is not None and not self.gram_cap >= 1:

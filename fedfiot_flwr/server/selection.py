@@ -314,8 +314,11 @@ def sweep_candidates(
         both = selection == "validation" and config.matching != "none"
         logger.info("FedFiOT round %s: trying %d knob settings on the validation data%s", context.server_round,
                     len(candidates), ", each as the aligned and the identity merge" if both else "")
-    best, trials = _try_candidates(clients, spec, _with_selection(config, selection), candidates,
-                                   context, validated)
+    bounds = _growth_bounds(uploads, config)
+    best, trials, grown = _try_candidates(clients, spec, _with_selection(config, selection), candidates,
+                                          context, validated, bounds)
+    if best.count == 0:
+        _fedavg_when_every_merge_grew(best, grown, uploads, config, context, validated)
     cand, variant, res, model, val = best.item
     merges_validated = validated.calls if validated is not None else 0
     out = RoundOutcome(model, {}, validation=val, candidate=cand, variant=variant, engine_result=res, trials=trials)
@@ -328,7 +331,7 @@ def sweep_candidates(
                     "validated, %d of them cut once they could not be chosen)", context.server_round, cand.label(),
                     variant, len(candidates), len(trials), merges_validated,
                     len(validated.cut) if validated is not None else 0)
-    if (config.fedavg_candidate and validate is not None
+    if (config.fedavg_candidate and validate is not None and variant != "fedavg"
             and beats(_score(out.baseline_validation, config.selection_metric), best.score,
                       maximize=higher_is_better(config.selection_metric))):
         logger.info("FedFiOT round %s: FedAvg of the same uploads scored best on validation and is returned; "
@@ -377,6 +380,45 @@ def _round_candidates(config: FedFiOTConfig, server_round: int, has_validation: 
     return [default]
 
 
+_Kept = tuple[Candidate, str, MergeResult, Model, "dict[str, float] | None"]
+"""A kept merge: its candidate, variant, engine result, model and validation scores."""
+
+
+def _growth_bounds(uploads: CollectedUploads, config: FedFiOTConfig) -> dict[str, float] | None:
+    """Per tensor, ``gram_growth`` times the largest client's Frobenius norm (``None``: no bound).
+
+    A permutation keeps a tensor's norm, so the aligned clients' norms are the uploaded ones.
+    """
+    if config.curvature not in GRAM_CURVATURES or config.gram_growth is None:
+        return None
+    return {name: config.gram_growth * max(float(np.linalg.norm(w[name])) for w in uploads.weights)
+            for name in uploads.weights[0]}
+
+
+def _grown_tensor(model: Model, bounds: Mapping[str, float] | None) -> str | None:
+    """The first tensor of ``model`` longer than its bound, as ``"name (ratio x)"``; ``None`` when none is."""
+    if bounds is None:
+        return None
+    for name, bound in bounds.items():
+        norm = float(np.linalg.norm(model[name]))
+        if not norm <= bound:  # NaN grows too
+            return f"{name} ({norm / bound:.3g}x the bound)" if bound > 0 else f"{name} (norm {norm:.3g}, bound 0)"
+    return None
+
+
+def _fedavg_when_every_merge_grew(best: BestSoFar[_Kept], grown: _Kept | None, uploads: CollectedUploads,
+                                  config: FedFiOTConfig, context: RoundContext,
+                                  validated: _CachedValidation | None) -> None:
+    """Offer FedAvg of the uploads (within the growth bound by the triangle inequality) as the round's model."""
+    assert grown is not None
+    cand, variant, res, model, _ = grown
+    logger.warning("FedFiOT round %s: every merge grew a tensor beyond %g times the largest client's norm (the "
+                   "%s merge of %s: %s); the round is FedAvg of the uploads", context.server_round,
+                   config.gram_growth, variant, cand.label(), _grown_tensor(model, _growth_bounds(uploads, config)))
+    fedavg = uploads.fedavg()
+    best.offer(math.nan, (cand, "fedavg", res, fedavg, validated(fedavg) if validated is not None else None))
+
+
 def _try_candidates(
     clients: PreparedClients | PreparedGrams,
     spec: PermutationSpec,
@@ -384,14 +426,20 @@ def _try_candidates(
     candidates: Sequence[Candidate],
     context: RoundContext,
     validated: _CachedValidation | None,
-) -> tuple[BestSoFar[tuple[Candidate, str, MergeResult, Model, dict[str, float] | None]], list[dict[str, Any]]]:
-    """Merge every candidate (each as its aligned and identity merge where validation chooses) and score it."""
+    bounds: Mapping[str, float] | None,
+) -> tuple[BestSoFar[_Kept], list[dict[str, Any]], _Kept | None]:
+    """Merge every candidate (each as its aligned and identity merge where validation chooses) and score it.
+
+    A merge with a tensor beyond ``bounds`` is recorded but not offered; where the paper's rule kept
+    such an aligned merge, its identity merge is tried in its place. The last item is the first grown
+    merge (``None`` when none grew)."""
     metric = config.selection_metric
     maximize = higher_is_better(metric)
     starts = (WarmStarts() if config.warm_start and config.matching != "none" and config.curvature == "diagonal"
               else None)
-    best: BestSoFar[tuple[Candidate, str, MergeResult, Model, dict[str, float] | None]] = BestSoFar(maximize=maximize)
+    best: BestSoFar[_Kept] = BestSoFar(maximize=maximize)
     trials: list[dict[str, Any]] = []
+    first_grown: _Kept | None = None
     for cand in candidates:
         reference: str | int | Model = cand.reference
         if cand.reference == "broadcast":
@@ -414,11 +462,13 @@ def _try_candidates(
         if starts is not None:
             starts.add(cand.reference, cand.fisher_scaling, cand.rho, cand.lam, res.permutations)
         variants: list[tuple[str, Model]] = [("aligned" if res.aligned else "identity", res.model)]
-        if config.selection == "validation" and res.aligned and config.matching != "none":
+        if res.aligned and config.matching != "none" and (
+                config.selection == "validation" or _grown_tensor(res.model, bounds) is not None):
             variants.append(("identity", res.identity_model))
         for variant, model in variants:
+            grown = _grown_tensor(model, bounds)
             val = (validated.bounded(model, metric, best.score if best.count else math.nan, maximize)
-                   if validated is not None else None)
+                   if validated is not None and grown is None else None)
             trials.append({
                 **asdict(cand),
                 "variant": variant,
@@ -427,10 +477,14 @@ def _try_candidates(
                 "paper_rule_aligned": alignment_kept(res.aligned_objective, res.identity_objective),
                 "merge_seconds": float(res.seconds),
                 "validation": val,
-                **({"validation_cut": True} if validated is not None and val is None else {}),
+                **({"validation_cut": True} if validated is not None and val is None and grown is None else {}),
+                **({"grown": grown} if grown is not None else {}),
             })
-            best.offer(_score(val, metric), (cand, variant, res, model, val))
-    return best, trials
+            if grown is None:
+                best.offer(_score(val, metric), (cand, variant, res, model, val))
+            elif first_grown is None:
+                first_grown = (cand, variant, res, model, val)
+    return best, trials, first_grown
 
 
 def _report(out: RoundOutcome, config: FedFiOTConfig, uploads: CollectedUploads, own_variant: str,
@@ -453,6 +507,7 @@ def _report(out: RoundOutcome, config: FedFiOTConfig, uploads: CollectedUploads,
         **({} if cand.gram_ridge is None else {"gram-ridge": float(cand.gram_ridge)}),
         "merge-seconds": float(res.seconds),
         "num-trials": len(out.trials),
+        **({"merges-grown": sum("grown" in t for t in out.trials)} if config.curvature in GRAM_CURVATURES else {}),
     }
     if config.fedavg_candidate and out.baseline_validation is not None:  # FedAvg competed on validation data
         out.metrics["fedavg-won"] = fedavg_won
