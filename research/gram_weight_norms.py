@@ -3,9 +3,10 @@
 On the one-shot benchmark's cached uploads (one setting), merges the clients' Gram replies with the engine for
 each ``(alpha, ridge)`` in ``--knobs``, both the aligned merge (kept whatever its objective, as the validation
 choice may keep it) and the identity merge, and reports per merge: validation accuracy and loss, every weight's
-Frobenius norm, and the training loss of the largest client's next local epoch started from it (SGD, the
-benchmark's learning rate, momentum 0.9, weight decay 2e-3: the first epoch of the clients' schedule). FedAvg of
-the float32 uploads is the first row. Usage::
+Frobenius norm, its growth (the largest ratio of a tensor's norm to the longest client's, which the strategy's
+``gram_growth`` bounds), and the training loss of the largest client's next local epoch started from it (SGD, the
+benchmark's learning rate, momentum 0.9, weight decay 2e-3: the first epoch of the clients' schedule;
+``--no-next-epoch`` leaves it out). FedAvg of the float32 uploads is the first row. Usage::
 
     python research/gram_weight_norms.py [--dataset fashion-mnist] [--alpha 0.1] [--seed 0] [--epochs 25]
 """
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--knobs", nargs="+", default=["1,0", "1,0.01", "1,0.1", "0.9,0", "0.5,0"],
                    help="alpha,ridge pairs")
+    p.add_argument("--no-next-epoch", action="store_true", help="leave out the next local epoch (norms only)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS / "gram_weight_norms.md")
     p.add_argument("--cache-dir", type=Path, default=H.CACHE_DIR)
@@ -66,11 +68,15 @@ def next_epoch_losses(build: Any, model: dict[str, np.ndarray], data: Any, lr: f
     return out
 
 
-def row(label: str, model: dict[str, np.ndarray], ev: H.Evaluator, build: Any, data: Any, lr: float) -> dict[str, Any]:
+def row(label: str, model: dict[str, np.ndarray], ev: H.Evaluator, build: Any, data: Any | None, lr: float,
+        longest: dict[str, float]) -> dict[str, Any]:
+    """One merge's validation scores, weight norms, growth and (with ``data``) next epoch's losses."""
     scores = ev.validate(model)
+    growth = {n: float(np.linalg.norm(model[n])) / longest[n] for n in longest if longest[n] > 0}
     return {"merge": label, "val_accuracy": scores["accuracy"], "val_loss": scores["loss"],
             "norms": {n: float(np.linalg.norm(v)) for n, v in model.items() if n.endswith("weight")},
-            "next_epoch": next_epoch_losses(build, model, data, lr)}
+            "growth": max(growth.values()), "grown_tensor": max(growth, key=growth.__getitem__),
+            "next_epoch": [] if data is None else next_epoch_losses(build, model, data, lr)}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -90,15 +96,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     share = np.asarray(sizes, dtype=np.float64) / sum(sizes)
     fedavg = {n: sum(c * w[n] for c, w in zip(share, uploads.float32.weights)).astype(uploads.float32.weights[0][n].dtype)
               for n in uploads.float32.weights[0]}
-    data = split.clients[largest]
-    rows = [row("FedAvg (float32 uploads)", fedavg, ev, build, data, args.lr)]
+    data = None if args.no_next_epoch else split.clients[largest]
+    longest = {n: max(float(np.linalg.norm(w[n])) for w in uploads.float32.weights) for n in fedavg}
+    rows = [row("FedAvg (float32 uploads)", fedavg, ev, build, data, args.lr, longest)]
     for knob in args.knobs:
         alpha, ridge = (float(v) for v in knob.split(","))
         for fallback, label in (("none", "aligned"), ("objective", "by J")):
             opts = MergeOptions(curvature="gram", gram_alpha=alpha, gram_ridge=ridge, fallback=fallback)
             out = merge([g.weights for g in grams], [g.grams for g in grams], spec, opts, num_examples=sizes)
             kept = label if fallback == "none" else ("aligned" if out.aligned else "identity") + " (by J)"
-            rows.append(row(f"Gram α={alpha:g}, ridge={ridge:g}, {kept}", out.model, ev, build, data, args.lr))
+            rows.append(row(f"Gram α={alpha:g}, ridge={ridge:g}, {kept}", out.model, ev, build, data, args.lr,
+                            longest))
     write(args, argv, rows, largest)
     return rows
 
@@ -113,16 +121,18 @@ def write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str,
         f"{args.dataset}, K = {args.clients}, α = {args.alpha:g}, {args.init} initialisation, seed {args.seed}, "
         f"{args.epochs} local epochs (the one-shot benchmark's cached uploads and Gram replies). 'aligned': the "
         "aligned merge kept whatever its objective (as a validation choice may keep it); 'by J': the paper's "
-        f"identity rule. Next epoch: client {largest} (the largest), SGD lr {args.lr:g}, momentum 0.9, weight decay "
-        "2e-3, batch 64; its training loss every 40 batches.",
+        f"identity rule. Growth: the largest ratio of a tensor's norm to the longest client's norm of it, and that "
+        "tensor. " + ("" if args.no_next_epoch else
+                      f"Next epoch: client {largest} (the largest), SGD lr {args.lr:g}, momentum 0.9, weight decay "
+                      "2e-3, batch 64; its training loss every 40 batches."),
         "",
-        "| merge | val acc | val loss | " + " | ".join(f"‖{n}‖" for n in names) + " | next epoch's loss |",
-        "|---|---:|---:|" + "---:|" * len(names) + "---|",
+        "| merge | val acc | val loss | " + " | ".join(f"‖{n}‖" for n in names) + " | growth | next epoch's loss |",
+        "|---|---:|---:|" + "---:|" * len(names) + "---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['merge']} | {100 * r['val_accuracy']:.1f} | {r['val_loss']:.3f} | "
-                     + " | ".join(f"{r['norms'][n]:.1f}" for n in names) + " | "
-                     + ", ".join(f"{v:.2f}" for v in r["next_epoch"]) + " |")
+                     + " | ".join(f"{r['norms'][n]:.1f}" for n in names) + f" | {r['growth']:.2f} ({r['grown_tensor']}) | "
+                     + (", ".join(f"{v:.2f}" for v in r["next_epoch"]) or "–") + " |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -485,3 +485,5 @@ def test_gram_weight_norms_reports_each_merges_norms_and_the_next_epoch(tmp_path
     plain, ridged = rows[1], rows[3]
     assert sum(ridged["norms"].values()) < sum(plain["norms"].values())
     assert "next epoch's loss" in (tmp_path / "norms.md").read_text()
+    assert rows[0]["growth"] <= 1 + 1e-9  # FedAvg is no longer than the longest client: a weighted mean
+    assert all(r["growth"] > 0 for r in rows)
