@@ -227,7 +227,7 @@ DEFAULT_GRAM_GROWTH = 1.5
 client's norm of that tensor is not kept. FedAvg of the uploads always meets it (a weighted mean of the clients'
 tensors is no longer than the longest), so it is the fallback when no merge does. The Gram closed form is not a
 weighted mean and can extrapolate; the clients could not train from the merges it excluded on Fashion-MNIST
-(research/results/gram_weight_norms.md). A bound, not a tuned knob: on that cell 1.5 and 2 keep the same merge."""
+(research/results/gram_growth.md, gram_weight_norms.md). A bound, not a tuned knob: on that cell 1.5 and 2 keep the same merge."""
 DEFAULT_GRAM_CAP = 100.0
 """Robust weighting of the Gram curvature: a client's Gram of a layer more than this many times the other clients'
 median (mean diagonal entry) is brought down to it. Looser than the Fisher's cap: the Grams of honest clients' hidden

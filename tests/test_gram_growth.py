@@ -13,6 +13,7 @@ from fedfiot_flwr import FedFiOT, FedFiOTConfig
 from fedfiot_flwr.server.outcome import RoundContext
 from fedfiot_flwr.server.selection import sweep_candidates
 from fedfiot_flwr.server.uploads import CollectedUploads
+from fedfiot_flwr.wire import decode_reply
 
 
 def _collected() -> CollectedUploads:
@@ -70,8 +71,6 @@ def test_when_every_merge_grows_the_round_is_fedavg_of_the_uploads_and_the_serve
     replies = _replies(sent)
     with caplog.at_level("INFO"):
         arrays, _ = strategy.aggregate_train(1, replies)
-    from fedfiot_flwr.wire import decode_reply
-
     decoded = [decode_reply(m.content, "gram-output", client=str(i), expected_shapes=None) for i, m in enumerate(replies)]
     fedavg = CollectedUploads(client_ids=[str(m.metadata.src_node_id) for m in replies],
                               weights=[d.weights for d in decoded], num_examples=[d.num_examples for d in decoded],

@@ -318,7 +318,7 @@ def sweep_candidates(
     best, trials, grown = _try_candidates(clients, spec, _with_selection(config, selection), candidates,
                                           context, validated, bounds)
     if best.count == 0:
-        _fedavg_when_every_merge_grew(best, grown, uploads, config, context, validated)
+        _fedavg_when_every_merge_grew(best, grown, trials, uploads, config, context, validated)
     cand, variant, res, model, val = best.item
     merges_validated = validated.calls if validated is not None else 0
     out = RoundOutcome(model, {}, validation=val, candidate=cand, variant=variant, engine_result=res, trials=trials)
@@ -406,15 +406,20 @@ def _grown_tensor(model: Model, bounds: Mapping[str, float] | None) -> str | Non
     return None
 
 
-def _fedavg_when_every_merge_grew(best: BestSoFar[_Kept], grown: _Kept | None, uploads: CollectedUploads,
-                                  config: FedFiOTConfig, context: RoundContext,
+def _gram_ridge(cand: Candidate, config: FedFiOTConfig) -> float:
+    """The candidate's Gram ridge, or the configuration's where the candidate names none."""
+    return config.gram_ridge if cand.gram_ridge is None else cand.gram_ridge
+
+
+def _fedavg_when_every_merge_grew(best: BestSoFar[_Kept], grown: _Kept | None, trials: Sequence[Mapping[str, Any]],
+                                  uploads: CollectedUploads, config: FedFiOTConfig, context: RoundContext,
                                   validated: _CachedValidation | None) -> None:
     """Offer FedAvg of the uploads (within the growth bound by the triangle inequality) as the round's model."""
     assert grown is not None
-    cand, variant, res, model, _ = grown
+    cand, variant, res, _, _ = grown
     logger.warning("FedFiOT round %s: every merge grew a tensor beyond %g times the largest client's norm (the "
                    "%s merge of %s: %s); the round is FedAvg of the uploads", context.server_round,
-                   config.gram_growth, variant, cand.label(), _grown_tensor(model, _growth_bounds(uploads, config)))
+                   config.gram_growth, variant, cand.label(), trials[0]["grown"])
     fedavg = uploads.fedavg()
     best.offer(math.nan, (cand, "fedavg", res, fedavg, validated(fedavg) if validated is not None else None))
 
@@ -452,7 +457,7 @@ def _try_candidates(
             fallback="none" if config.selection == "validation" else config.selection,
             fisher_scaling=cand.fisher_scaling, curvature=config.curvature,
             gram_alpha=config.gram_alpha if cand.gram_alpha is None else cand.gram_alpha,
-            gram_ridge=config.gram_ridge if cand.gram_ridge is None else cand.gram_ridge, kfac_damping=config.kfac_damping,
+            gram_ridge=_gram_ridge(cand, config), kfac_damping=config.kfac_damping,
         )
         res = merge(
             clients, None, spec, options, speed=config.speed,
@@ -461,12 +466,12 @@ def _try_candidates(
         )
         if starts is not None:
             starts.add(cand.reference, cand.fisher_scaling, cand.rho, cand.lam, res.permutations)
-        variants: list[tuple[str, Model]] = [("aligned" if res.aligned else "identity", res.model)]
-        if res.aligned and config.matching != "none" and (
-                config.selection == "validation" or _grown_tensor(res.model, bounds) is not None):
-            variants.append(("identity", res.identity_model))
-        for variant, model in variants:
-            grown = _grown_tensor(model, bounds)
+        kept_grown = _grown_tensor(res.model, bounds)
+        variants: list[tuple[str, Model, str | None]] = [("aligned" if res.aligned else "identity", res.model,
+                                                          kept_grown)]
+        if res.aligned and config.matching != "none" and (config.selection == "validation" or kept_grown is not None):
+            variants.append(("identity", res.identity_model, _grown_tensor(res.identity_model, bounds)))
+        for variant, model, grown in variants:
             val = (validated.bounded(model, metric, best.score if best.count else math.nan, maximize)
                    if validated is not None and grown is None else None)
             trials.append({
@@ -527,6 +532,6 @@ def _report(out: RoundOutcome, config: FedFiOTConfig, uploads: CollectedUploads,
                   "fisher_scaling": cand.fisher_scaling, "variant": out.variant}
     if cand.gram_alpha is not None:
         out.chosen = {"curvature": config.curvature, "gram_alpha": cand.gram_alpha,
-                      "gram_ridge": config.gram_ridge if cand.gram_ridge is None else cand.gram_ridge,
+                      "gram_ridge": _gram_ridge(cand, config),
                       "reference": cand.reference, "variant": out.variant}
     out.permutations = {p: list(v) for p, v in res.permutations.items()} if out.variant == "aligned" else None
