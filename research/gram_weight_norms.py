@@ -28,6 +28,7 @@ if __package__ in (None, ""):
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.portable import command_line  # noqa: E402
 from fedfiot_flwr.merge import MergeOptions, merge  # noqa: E402
+from fedfiot_flwr.server.selection import longest_norms  # noqa: E402
 from fedfiot_flwr.wire import decode_reply  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     fedavg = {n: sum(c * w[n] for c, w in zip(share, uploads.float32.weights)).astype(uploads.float32.weights[0][n].dtype)
               for n in uploads.float32.weights[0]}
     data = None if args.no_next_epoch else split.clients[largest]
-    longest = {n: max(float(np.linalg.norm(w[n])) for w in uploads.float32.weights) for n in fedavg}
+    longest = longest_norms(uploads.float32.weights)
     rows = [row("FedAvg (float32 uploads)", fedavg, ev, build, data, args.lr, longest)]
     for knob in args.knobs:
         alpha, ridge = (float(v) for v in knob.split(","))

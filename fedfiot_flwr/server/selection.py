@@ -318,7 +318,7 @@ def sweep_candidates(
     best, trials, grown = _try_candidates(clients, spec, _with_selection(config, selection), candidates,
                                           context, validated, bounds)
     if best.count == 0:
-        _fedavg_when_every_merge_grew(best, grown, trials, uploads, config, context, validated)
+        _fedavg_when_every_merge_grew(best, grown, uploads, config, context, validated)
     cand, variant, res, model, val = best.item
     merges_validated = validated.calls if validated is not None else 0
     out = RoundOutcome(model, {}, validation=val, candidate=cand, variant=variant, engine_result=res, trials=trials)
@@ -391,8 +391,12 @@ def _growth_bounds(uploads: CollectedUploads, config: FedFiOTConfig) -> dict[str
     """
     if config.curvature not in GRAM_CURVATURES or config.gram_growth is None:
         return None
-    return {name: config.gram_growth * max(float(np.linalg.norm(w[name])) for w in uploads.weights)
-            for name in uploads.weights[0]}
+    return {name: config.gram_growth * norm for name, norm in longest_norms(uploads.weights).items()}
+
+
+def longest_norms(weights: Sequence[Model]) -> dict[str, float]:
+    """Per tensor, the largest Frobenius norm among the clients' ``weights`` (what ``gram_growth`` multiplies)."""
+    return {name: max(float(np.linalg.norm(w[name])) for w in weights) for name in weights[0]}
 
 
 def _grown_tensor(model: Model, bounds: Mapping[str, float] | None) -> str | None:
@@ -411,15 +415,15 @@ def _gram_ridge(cand: Candidate, config: FedFiOTConfig) -> float:
     return config.gram_ridge if cand.gram_ridge is None else cand.gram_ridge
 
 
-def _fedavg_when_every_merge_grew(best: BestSoFar[_Kept], grown: _Kept | None, trials: Sequence[Mapping[str, Any]],
-                                  uploads: CollectedUploads, config: FedFiOTConfig, context: RoundContext,
+def _fedavg_when_every_merge_grew(best: BestSoFar[_Kept], grown: tuple[_Kept, str] | None, uploads: CollectedUploads,
+                                  config: FedFiOTConfig, context: RoundContext,
                                   validated: _CachedValidation | None) -> None:
     """Offer FedAvg of the uploads (within the growth bound by the triangle inequality) as the round's model."""
     assert grown is not None
-    cand, variant, res, _, _ = grown
+    (cand, variant, res, _, _), tensor = grown
     logger.warning("FedFiOT round %s: every merge grew a tensor beyond %g times the largest client's norm (the "
                    "%s merge of %s: %s); the round is FedAvg of the uploads", context.server_round,
-                   config.gram_growth, variant, cand.label(), trials[0]["grown"])
+                   config.gram_growth, variant, cand.label(), tensor)
     fedavg = uploads.fedavg()
     best.offer(math.nan, (cand, "fedavg", res, fedavg, validated(fedavg) if validated is not None else None))
 
@@ -432,19 +436,19 @@ def _try_candidates(
     context: RoundContext,
     validated: _CachedValidation | None,
     bounds: Mapping[str, float] | None,
-) -> tuple[BestSoFar[_Kept], list[dict[str, Any]], _Kept | None]:
+) -> tuple[BestSoFar[_Kept], list[dict[str, Any]], tuple[_Kept, str] | None]:
     """Merge every candidate (each as its aligned and identity merge where validation chooses) and score it.
 
     A merge with a tensor beyond ``bounds`` is recorded but not offered; where the paper's rule kept
     such an aligned merge, its identity merge is tried in its place. The last item is the first grown
-    merge (``None`` when none grew)."""
+    merge with its grown tensor (``None`` when none grew)."""
     metric = config.selection_metric
     maximize = higher_is_better(metric)
     starts = (WarmStarts() if config.warm_start and config.matching != "none" and config.curvature == "diagonal"
               else None)
     best: BestSoFar[_Kept] = BestSoFar(maximize=maximize)
     trials: list[dict[str, Any]] = []
-    first_grown: _Kept | None = None
+    first_grown: tuple[_Kept, str] | None = None
     for cand in candidates:
         reference: str | int | Model = cand.reference
         if cand.reference == "broadcast":
@@ -488,7 +492,7 @@ def _try_candidates(
             if grown is None:
                 best.offer(_score(val, metric), (cand, variant, res, model, val))
             elif first_grown is None:
-                first_grown = (cand, variant, res, model, val)
+                first_grown = ((cand, variant, res, model, val), grown)
     return best, trials, first_grown
 
 
